@@ -1,0 +1,371 @@
+"""The controller actor: one per run. It hosts the rendezvous, watches workers and acts.
+
+Everything the controller learns arrives as an observation on one asyncio queue: a worker is
+ready, a worker's `run` call ended (finished, raised, or the process died), a worker's group
+broke, a generation formed. After each observation it asks the pure policies in
+`elastic.policies` what to do, logs the decision as an event, and acts: start workers, offer a
+new generation, or end the run. `elastic.states` lists the states it moves through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray
+import torch.distributed as dist
+from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.worker import Worker
+from elastic import policies, states
+from elastic.config import DataConfig, RunConfig, ScalingConfig
+from elastic.events import EventJournal
+from elastic.faults import Fault
+from elastic.group import GenerationSpec
+from elastic.progress import ProgressTracker
+from elastic.storage import RunStorage
+
+READY_POLL_S = 3600.0
+FORM_TIMEOUT_S = 60.0
+PING_TIMEOUT_S = 2.0
+TICK_S = 0.5
+FINISH_GRACE_S = 5.0
+START_GRACE_S = 2.0
+
+
+@dataclass
+class WorkerRecord:
+    worker_id: int
+    handle: Any
+    status: str = "pending"  # pending -> ready -> member -> gone
+    node_id: str = ""
+    pid: int = 0
+
+
+@dataclass
+class RunSpec:
+    """What the driver hands to the controller."""
+
+    train_loop: Callable
+    train_loop_config: dict[str, Any]
+    scaling: ScalingConfig
+    run: RunConfig
+    data: DataConfig
+    faults: list[Fault] = field(default_factory=list)
+
+
+@ray.remote(num_cpus=0)
+class Controller:
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.storage = RunStorage(spec.run.storage_path, spec.run.name)
+        self.journal = EventJournal(self.storage)
+        self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        self.store_host = ray.util.get_node_ip_address()
+        self.state: states.ControllerState = states.Starting()
+        self.workers: dict[int, WorkerRecord] = {}
+        self.members: list[int] = []
+        self.generation = -1
+        self.world_size = 0
+        self.generation_broken = False
+        self.app_failures = 0
+        self.failure_time: float | None = None
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.progress = ProgressTracker(spec.data.global_batch_size, spec.data.max_steps)
+        self.outcomes: dict[int, dict[str, Any]] = {}
+        self.loop_ref = None
+        self.failure: dict[str, Any] | None = None
+        self.first_ready_at: float | None = None
+        self.started = time.time()
+
+    # --- called by the driver ----------------------------------------------------------
+    async def run(self) -> dict[str, Any]:
+        self.journal.emit("run_started", name=self.spec.run.name, scaling=self.spec.scaling.model_dump(),
+                          data=self.spec.data.model_dump(), faults=[f.spec() for f in self.spec.faults])
+        self.loop_ref = ray.put(self.spec.train_loop)
+        self._start_workers()
+        self._enter(states.Waiting(time.time(), time.time() + self.spec.run.failure_config.capacity_timeout_s),
+                    "waiting for min_workers to be ready")
+        ticker = asyncio.ensure_future(self._tick())
+        try:
+            while not isinstance(self.state, (states.Finished, states.Failed)):
+                kind, *payload = await self.inbox.get()
+                await getattr(self, f"_on_{kind}")(*payload)
+        finally:
+            ticker.cancel()
+            await self._stop_all()
+            self.journal.flush()
+        return self._result()
+
+    async def status(self) -> dict[str, Any]:
+        events = self.journal.events
+        return {
+            "state": self.state.name,
+            **self.progress.snapshot(),
+            "world_size": len(self.members),
+            "generation": self.generation,
+            "last_event": events[-1]["type"] if events else "",
+        }
+
+    # --- called by workers ---------------------------------------------------------------
+    async def ingest(self, worker_id: int, items: list[dict[str, Any]]) -> None:
+        self.progress.ingest(items)
+
+    async def group_broken(self, worker_id: int, generation: int) -> None:
+        self.inbox.put_nowait(("broken", worker_id, generation, time.time()))
+
+    # --- observations --------------------------------------------------------------------
+    async def _on_ready(self, worker_id: int, ready: bool) -> None:
+        record = self.workers[worker_id]
+        if not ready or record.status != "pending":
+            return
+        info = await record.handle.info.remote()
+        record.status, record.node_id, record.pid = "ready", info["node_id"], info["pid"]
+        self.journal.emit("worker_started", worker_id=worker_id, node=info["node_id"], pid=info["pid"], host=info["host"])
+        if self.generation < 0:
+            # The first generation waits briefly for workers starting alongside, instead of growing at once.
+            self.first_ready_at = self.first_ready_at or time.time()
+            if self._with_status("pending"):
+                return
+        await self._reconcile()
+
+    async def _on_exited(self, worker_id: int, outcome: dict[str, Any] | None, error: str | None) -> None:
+        record = self.workers[worker_id]
+        was_member = worker_id in self.members
+        rank = self.members.index(worker_id) if was_member else None
+        if record.status == "gone":
+            return
+        record.status = "gone"
+        if outcome and outcome["outcome"] == "finished":
+            self.outcomes[worker_id] = outcome
+            if outcome["step"] >= self.spec.data.max_steps:
+                self._enter(states.Finished(), f"rank {rank} finished all {self.spec.data.max_steps} steps")
+            return
+        if outcome and outcome["outcome"] == "evicted":
+            return
+        kind = "app_error" if outcome else "death"
+        cause = outcome["error"] if outcome else error
+        if kind == "app_error":
+            self.app_failures += 1
+        self.journal.emit("worker_failed", worker_id=worker_id, rank=rank, node=record.node_id, pid=record.pid,
+                          kind=kind, cause=cause, generation=self.generation)
+        decision = policies.decide_failure(kind, self.app_failures, self.spec.run.failure_config.max_failures)
+        self.journal.emit("decision", action=decision.action, reason=decision.reason)
+        if decision.action == "RAISE":
+            self._enter(states.Failed(cause), decision.reason)
+            self.failure = {"error": cause, "rank": outcome.get("rank"), "traceback": outcome.get("traceback", ""),
+                            "kind": kind}
+            return
+        if kind == "app_error":
+            ray.kill(record.handle)
+        self.failure_time = self.failure_time or time.time()
+        if was_member:
+            self.members.remove(worker_id)
+            self.generation_broken = True
+        self._start_workers()
+        await self._reconcile()
+
+    async def _on_broken(self, worker_id: int, generation: int, at: float) -> None:
+        if generation != self.generation or self.generation_broken:
+            return
+        self.failure_time = self.failure_time or at
+        self.generation_broken = True
+        alive = await self._ping(self.members)
+        for worker_id in [w for w in self.members if w not in alive]:
+            self.journal.emit("worker_failed", worker_id=worker_id, rank=self.members.index(worker_id),
+                              node=self.workers[worker_id].node_id, kind="unresponsive",
+                              cause=f"no answer within {PING_TIMEOUT_S} s after its group broke",
+                              generation=self.generation)
+            self.workers[worker_id].status = "gone"
+            ray.kill(self.workers[worker_id].handle)
+        self.members = [w for w in self.members if w in alive]
+        self._start_workers()
+        await self._reconcile()
+
+    async def _on_formed(self, generation: int, outcomes: list[Any]) -> None:
+        if not isinstance(self.state, states.Reconfiguring) or self.state.generation != generation:
+            return
+        failed = [o for o in outcomes if not (isinstance(o, dict) and o.get("ok"))]
+        if failed:
+            self.journal.emit("decision", action="REFORM", reason=f"generation {generation} did not form: {failed[0]}")
+            self.generation_broken = True
+            await self._reconcile()
+            return
+        reason, since = self.state.reason, self.state.since
+        now = time.time()
+        self.journal.emit("generation_formed", generation=generation, world_size=len(self.members), reason=reason,
+                          seconds=now - since, source_rank=outcomes[0]["source_rank"], step=outcomes[0]["step"])
+        if self.failure_time is not None and reason.startswith("heal"):
+            self.journal.emit("recovery", generation=generation, seconds=now - self.failure_time,
+                              steps_lost=max(o["steps_lost"] for o in outcomes), world_size=len(self.members))
+            self.failure_time = None
+        self._enter(states.Running(generation), reason)
+        self.journal.flush()
+        await self._reconcile()
+
+    async def _on_tick(self) -> None:
+        if isinstance(self.state, states.Waiting) and time.time() > self.state.deadline:
+            live = len(self.members) + len(self._with_status("ready"))
+            message = (
+                f"only {live} of min_workers({self.spec.scaling.min_workers}) workers could run for "
+                f"FailureConfig(capacity_timeout_s={self.spec.run.failure_config.capacity_timeout_s}); "
+                f"each worker needs {self.spec.scaling.worker_resources()}. Add capacity or lower min_workers."
+            )
+            self.failure = {"error": message, "rank": None, "traceback": "", "kind": "capacity"}
+            self._enter(states.Failed(message), "capacity timeout")
+        if self.generation < 0 and self.first_ready_at and time.time() - self.first_ready_at > START_GRACE_S:
+            await self._reconcile()
+        sample = self.progress.sample()
+        if sample:
+            self.journal.emit("metrics", world_size=len(self.members), **sample)
+        self.journal.flush()
+
+    # --- decisions and actions -----------------------------------------------------------
+    async def _reconcile(self) -> None:
+        if isinstance(self.state, (states.Finished, states.Failed)):
+            return
+        if isinstance(self.state, states.Reconfiguring) and not self.generation_broken:
+            return  # a formation is under way; its outcome comes back as an observation
+        decision = policies.decide_membership(
+            self.members, self._with_status("ready"), self.generation_broken or self.generation < 0,
+            self.spec.scaling.min_workers, self.spec.scaling.max_workers,
+        )
+        if isinstance(decision, policies.WaitDecision):
+            if not isinstance(self.state, states.Waiting):
+                timeout = self.spec.run.failure_config.capacity_timeout_s
+                self._enter(states.Waiting(time.time(), time.time() + timeout), decision.reason)
+            return
+        if isinstance(decision, policies.ResizeDecision):
+            self._form(list(decision.members), decision.reason)
+
+    def _form(self, members: list[int], reason: str) -> None:
+        old_size = self.world_size
+        since = self.failure_time if reason.startswith("heal") and self.failure_time else time.time()
+        self.generation += 1
+        self.generation_broken = False
+        self.members = members
+        self.world_size = len(members)
+        for worker_id in members:
+            self.workers[worker_id].status = "member"
+        if old_size and old_size != len(members):
+            self.journal.emit("rescale", generation=self.generation, from_size=old_size, to_size=len(members), reason=reason)
+        self._enter(states.Reconfiguring(self.generation, reason, since), reason)
+        specs = self._specs(members)
+        for worker_id, spec in zip(members, specs):
+            self.workers[worker_id].handle.join.remote(spec)
+        generation = self.generation
+        waits = [self.workers[w].handle.wait_formed.remote(generation, FORM_TIMEOUT_S) for w in members]
+
+        async def collect() -> None:
+            outcomes = await asyncio.gather(*waits, return_exceptions=True)
+            self.inbox.put_nowait(("formed", generation, list(outcomes)))
+
+        asyncio.ensure_future(collect())
+
+    def _specs(self, members: list[int]) -> list[GenerationSpec]:
+        nodes = list(dict.fromkeys(self.workers[w].node_id for w in members))
+        specs = []
+        for rank, worker_id in enumerate(members):
+            node = self.workers[worker_id].node_id
+            same_node = [w for w in members if self.workers[w].node_id == node]
+            specs.append(GenerationSpec(
+                generation=self.generation, rank=rank, world_size=len(members),
+                local_rank=same_node.index(worker_id), local_world_size=len(same_node), node_rank=nodes.index(node),
+                store_host=self.store_host, store_port=self.store.port, backend=self.spec.scaling.backend,
+                reason=self.state.reason if isinstance(self.state, states.Reconfiguring) else "",
+                collective_timeout_s=self.spec.run.failure_config.collective_timeout_s,
+            ))
+        return specs
+
+    def _start_workers(self) -> None:
+        live = len([r for r in self.workers.values() if r.status != "gone"])
+        resources = dict(self.spec.scaling.worker_resources())
+        num_cpus, num_gpus = resources.pop("CPU", 0), resources.pop("GPU", 0)
+        me = ray.get_runtime_context().current_actor
+        for _ in range(policies.workers_to_start(live, self.spec.scaling.max_workers)):
+            worker_id = len(self.workers)
+            handle = Worker.options(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, max_restarts=0).remote(
+                worker_id, me, self.spec.data, self.spec.faults, self.spec.scaling.use_gpu, num_cpus
+            )
+            self.workers[worker_id] = WorkerRecord(worker_id, handle)
+            asyncio.ensure_future(self._watch(worker_id, handle))
+
+    async def _watch(self, worker_id: int, handle: Any) -> None:
+        run_ref = handle.run.remote(self.loop_ref, self.spec.train_loop_config)
+
+        async def ready() -> None:
+            try:
+                self.inbox.put_nowait(("ready", worker_id, await handle.wait_ready.remote(READY_POLL_S)))
+            except RayActorError:
+                pass
+
+        asyncio.ensure_future(ready())
+        try:
+            outcome = await run_ref
+            self.inbox.put_nowait(("exited", worker_id, outcome, None))
+        except RayActorError as exc:
+            self.inbox.put_nowait(("exited", worker_id, None, f"{type(exc).__name__}: worker process died"))
+
+    async def _ping(self, worker_ids: list[int]) -> set[int]:
+        async def one(worker_id: int) -> int | None:
+            try:
+                await asyncio.wait_for(self.workers[worker_id].handle.info.remote(), PING_TIMEOUT_S)
+                return worker_id
+            except (RayActorError, asyncio.TimeoutError):
+                return None
+
+        return {w for w in await asyncio.gather(*(one(w) for w in worker_ids)) if w is not None}
+
+    def _enter(self, state: states.ControllerState, reason: str) -> None:
+        self.journal.emit("state", state=state.name, reason=reason, generation=self.generation)
+        self.state = state
+
+    def _with_status(self, status: str) -> list[int]:
+        return sorted(w for w, r in self.workers.items() if r.status == status)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self.inbox.put_nowait(("tick",))
+
+    async def _stop_all(self) -> None:
+        finished = isinstance(self.state, states.Finished)
+        if finished:
+            # Let the other members return their outcome; they end the same step.
+            deadline = time.time() + FINISH_GRACE_S
+            while time.time() < deadline and any(self.workers[w].status != "gone" for w in self.members):
+                try:
+                    kind, *payload = await asyncio.wait_for(self.inbox.get(), deadline - time.time())
+                except asyncio.TimeoutError:
+                    break
+                if kind == "exited":
+                    worker_id, outcome, _ = payload
+                    self.workers[worker_id].status = "gone"
+                    if outcome and outcome["outcome"] == "finished":
+                        self.outcomes[worker_id] = outcome
+            self.journal.emit("run_finished", step=self.progress.step, goodput=self._goodput(),
+                              wall_s=time.time() - self.started)
+        else:
+            self.journal.emit("run_failed", error=self.state.error)
+        for record in self.workers.values():
+            ray.kill(record.handle)
+
+    def _goodput(self) -> float:
+        wall = time.time() - self.started
+        return self.progress.productive_s / wall if wall > 0 else 0.0
+
+    def _result(self) -> dict[str, Any]:
+        finished = isinstance(self.state, states.Finished)
+        first = min(self.outcomes, key=lambda w: w) if self.outcomes else None
+        return {
+            "finished": finished,
+            "failure": None if finished else (self.failure or {"error": self.state.error}),
+            "metrics": self.progress.last_metrics,
+            "step": self.progress.step,
+            "goodput": self._goodput(),
+            "value": self.outcomes[first]["value"] if first is not None else None,
+            "events_uri": self.storage.uri + "/" + EventJournal.FILE,
+        }

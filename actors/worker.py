@@ -1,0 +1,112 @@
+"""The worker actor: one process that runs the user's train loop and joins generations.
+
+`run` occupies the "train" concurrency group for the whole run, so the controller's calls
+(join a generation, wait for it to form, ping) are answered by the "control" group while
+training goes on. The controller keeps the `run` call outstanding: if this process dies, the
+controller learns it from that call at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import os
+import socket
+import threading
+import traceback
+from typing import Any, Callable
+
+import ray
+import torch
+
+from elastic.config import DataConfig
+from elastic.context import TrainContext, _set_current
+from elastic.errors import WorkerEvictedError
+from elastic.faults import Fault
+from elastic.group import GenerationSpec
+from elastic.mailbox import GenerationMailbox
+
+REPORT_FLUSH_INTERVAL_S = 0.2
+
+
+@ray.remote(concurrency_groups={"train": 1, "control": 4})
+class Worker:
+    def __init__(
+        self, worker_id: int, controller: Any, data_config: DataConfig, faults: list[Fault], use_gpu: bool, num_cpus: float
+    ) -> None:
+        torch.set_num_threads(max(1, int(num_cpus)))
+        self.worker_id = worker_id
+        self._controller = controller
+        self._reports: collections.deque = collections.deque()
+        self.mailbox = GenerationMailbox(on_broken=lambda g: controller.group_broken.remote(worker_id, g))
+        self.ctx = TrainContext(data_config, self.mailbox, faults, self._reports.append, use_gpu)
+        self._stop = threading.Event()
+        threading.Thread(target=self._flush_loop, daemon=True, name="elastic-reports").start()
+
+    @ray.method(concurrency_group="train")
+    def run(self, train_loop: Callable, config: dict[str, Any]) -> dict[str, Any]:
+        """Run the train loop to its end; returns an outcome instead of raising user errors."""
+        _set_current(self.ctx)
+        try:
+            takes_config = len(inspect.signature(train_loop).parameters) > 0
+            value = train_loop(config) if takes_config else train_loop()
+            return {"outcome": "finished", "step": self.ctx.step, "value": _picklable(value)}
+        except WorkerEvictedError as exc:
+            return {"outcome": "evicted", "reason": str(exc)}
+        except Exception as exc:
+            return {
+                "outcome": "error",
+                "rank": self.ctx.rank,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+        finally:
+            self._flush()
+            _set_current(None)
+
+    @ray.method(concurrency_group="control")
+    def info(self) -> dict[str, Any]:
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "step": self.ctx.step,
+            "generation": self.ctx.generation,
+        }
+
+    @ray.method(concurrency_group="control")
+    def wait_ready(self, timeout_s: float) -> bool:
+        """True once the train loop waits to join its first generation."""
+        return self.mailbox.wait_waiting(timeout_s)
+
+    @ray.method(concurrency_group="control")
+    def join(self, spec: GenerationSpec) -> None:
+        self.mailbox.offer(spec)
+
+    @ray.method(concurrency_group="control")
+    def wait_formed(self, generation: int, timeout_s: float) -> dict[str, Any]:
+        return self.mailbox.wait_formed(generation, timeout_s)
+
+    @ray.method(concurrency_group="control")
+    def evict(self, reason: str) -> None:
+        self.mailbox.close(reason)
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(REPORT_FLUSH_INTERVAL_S):
+            self._flush()
+
+    def _flush(self) -> None:
+        items = []
+        while self._reports:
+            items.append(self._reports.popleft())
+        if items:
+            self._controller.ingest.remote(self.worker_id, items)
+
+
+def _picklable(value: Any) -> Any:
+    """Train loops may return anything; only what Ray can ship back is kept."""
+    try:
+        ray.cloudpickle.dumps(value)
+        return value
+    except Exception:
+        return repr(value)

@@ -1,0 +1,115 @@
+"""Run configuration: frozen pydantic models, validated before any actor starts.
+
+The names follow Ray Train (`ScalingConfig`, `RunConfig`, `CheckpointConfig`,
+`FailureConfig`) so that switching is mostly a change of imports. `DataConfig` is ours: it
+fixes the global batch, which elastic keeps constant at every world size.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+
+class ScalingConfig(_Frozen):
+    """How many workers to run, and what each one needs from the cluster."""
+
+    min_workers: int = Field(1, gt=0, description="Fewest workers training may continue with.")
+    max_workers: int = Field(1, gt=0, description="Most workers the run grows to when capacity exists.")
+    use_gpu: bool = Field(False, description="Give each worker one GPU and use NCCL instead of gloo.")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict,
+        description='Ray resources per worker, e.g. {"CPU": 2}. Defaults to 1 CPU (and 1 GPU with use_gpu).',
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "ScalingConfig":
+        if self.min_workers > self.max_workers:
+            raise ValueError(
+                f"min_workers({self.min_workers}) > max_workers({self.max_workers}); "
+                "set min_workers <= max_workers"
+            )
+        negative = {k: v for k, v in self.resources_per_worker.items() if v < 0}
+        if negative:
+            raise ValueError(f"resources_per_worker has negative amounts {negative}; use values >= 0")
+        if not self.use_gpu and self.resources_per_worker.get("GPU", 0) > 0:
+            raise ValueError(
+                f"resources_per_worker requests GPU={self.resources_per_worker['GPU']} but use_gpu=False; "
+                "set use_gpu=True to train on GPUs"
+            )
+        return self
+
+    def worker_resources(self) -> dict[str, float]:
+        """The Ray resources each worker actor asks for."""
+        resources = {"CPU": 1.0, **({"GPU": 1.0} if self.use_gpu else {})}
+        resources.update(self.resources_per_worker)
+        return resources
+
+    @property
+    def backend(self) -> Literal["nccl", "gloo"]:
+        return "nccl" if self.use_gpu else "gloo"
+
+
+class DataConfig(_Frozen):
+    """How samples become optimizer steps. The global batch is the same at every world size."""
+
+    global_batch_size: int = Field(..., gt=0, description="Samples consumed by one optimizer step, across all ranks.")
+    micro_batch_size: int = Field(..., gt=0, description="Most samples a rank puts through one forward/backward pass.")
+    max_steps: int = Field(..., gt=0, description="Optimizer steps in the whole run.")
+    seed: int = Field(0, description="Seed of each epoch's sample permutation.")
+    shuffle: bool = Field(True, description="Permute the samples of each epoch; False reads them in order.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataConfig":
+        if self.micro_batch_size > self.global_batch_size:
+            raise ValueError(
+                f"micro_batch_size({self.micro_batch_size}) > global_batch_size({self.global_batch_size}); "
+                "a micro-batch is a part of a rank's share of the global batch"
+            )
+        return self
+
+
+class CheckpointConfig(_Frozen):
+    """Which durable checkpoints to keep."""
+
+    keep_last: int = Field(2, gt=0, description="Complete checkpoints kept; older ones are deleted.")
+
+
+class FailureConfig(_Frozen):
+    """How the run reacts to failures it cannot heal in place."""
+
+    max_failures: int = Field(
+        0,
+        ge=0,
+        description="Application errors (exceptions in the train loop) tolerated before the run fails. "
+        "Worker deaths healed in place do not count.",
+    )
+    capacity_timeout_s: float = Field(
+        120.0, gt=0, description="How long to wait below min_workers for capacity before failing the run."
+    )
+    collective_timeout_s: float = Field(
+        300.0, gt=0, description="torch.distributed timeout of one collective, instead of its 30-minute default."
+    )
+
+
+class RunConfig(_Frozen):
+    """Where the run keeps its journal, and how it handles checkpoints and failures."""
+
+    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="Run name; a folder under storage_path.")
+    storage_path: str = Field(..., min_length=1, description="Local path or URI (s3://, gs://) that holds the run folder.")
+    checkpoint_config: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint retention.")
+    failure_config: FailureConfig = Field(default_factory=FailureConfig, description="Failure handling.")
+
+
+def check_fits(scaling: ScalingConfig, data: DataConfig) -> None:
+    """Cross-config checks that need both models; raises ValueError with the numbers."""
+    if data.global_batch_size < scaling.max_workers:
+        raise ValueError(
+            f"global_batch_size({data.global_batch_size}) < max_workers({scaling.max_workers}); "
+            "every rank needs at least one sample per step"
+        )

@@ -1,0 +1,396 @@
+"""The train loop's view of the run: ranks, prepared model and optimizer, steps and reports.
+
+Inside `train_loop`, a user writes
+
+    ctx = elastic.get_context()
+    model = ctx.prepare_model(MyModel())
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in ctx.steps(dataset):
+        with step:
+            for mb in step.micro_batches():
+                mb.backward(loss_fn(model(mb.data[0]), mb.data[1]))
+            optimizer.step()
+            optimizer.zero_grad()
+        elastic.report({"loss": ...})
+
+Between two iterations the context may move the worker to a new generation: after a peer
+died (the `with step` block swallows the collective error and the step is redone) or because
+the controller grows the run (all ranks switch at the same step boundary). The step commits
+when the prepared optimizer steps; the data cursor moves only then.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic import data as data_math
+from elastic.config import DataConfig
+from elastic.errors import ElasticError, GroupBrokenError, WorkerEvictedError
+from elastic.faults import Fault
+from elastic.group import GenerationSpec, StoreClient, form_group, is_peer_failure, leave_group
+from elastic.mailbox import GenerationMailbox
+from elastic.state_sync import sync_state
+
+_current: "TrainContext | None" = None
+
+
+def get_context() -> "TrainContext":
+    """The context of the train loop running in this worker."""
+    if _current is None:
+        raise ElasticError("get_context() is only available inside a train_loop run by ElasticTrainer.fit()")
+    return _current
+
+
+def report(metrics: dict[str, Any]) -> None:
+    """Record metrics of the current step; never blocks on the network."""
+    get_context().report(metrics)
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of this rank's share: the collated `data`, its sample `indices`, its `weight`."""
+
+    data: Any
+    indices: torch.Tensor
+    weight: float
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate the micro-batch's mean loss, weighted so the step is the global-batch mean."""
+        (loss * self.weight).backward()
+
+
+class Step:
+    """One optimizer step; use it as `with step:` so a lost peer heals instead of crashing."""
+
+    def __init__(self, ctx: "TrainContext", index: int, cursor: data_math.DataCursor) -> None:
+        self._ctx = ctx
+        self.index = index
+        self.cursor = cursor
+        self.rank = ctx.rank
+        self.world_size = ctx.world_size
+        self.entered = False
+        self.committed = False
+        self.failed: BaseException | None = None
+        self.started = 0.0
+
+    def micro_batches(self) -> Iterator[MicroBatch]:
+        """This rank's share of the global batch, in micro-batches; gradients sync on the last one."""
+        yield from self._ctx._micro_batches(self)
+
+    def __enter__(self) -> "Step":
+        self.entered = True
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return self._ctx._end_step(self, exc)
+
+
+class ElasticDDP:
+    """The prepared model: calls go to a DistributedDataParallel rebuilt for each generation."""
+
+    def __init__(self, ctx: "TrainContext", module: torch.nn.Module) -> None:
+        self._ctx = ctx
+        self.module = module
+        self.ddp: DistributedDataParallel | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.ddp is None:
+            raise ElasticError("the prepared model is used before ctx.steps() formed the first generation")
+        return self.ddp(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
+
+
+class TrainContext:
+    """Per-worker runtime of one run; created by the worker actor, reached via get_context()."""
+
+    def __init__(
+        self,
+        data_config: DataConfig,
+        mailbox: GenerationMailbox,
+        faults: list[Fault],
+        report_sink: Callable[[dict[str, Any]], None],
+        use_gpu: bool,
+    ) -> None:
+        self.data_config = data_config
+        self.mailbox = mailbox
+        self.faults = faults
+        self._report_sink = report_sink
+        self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+        self.spec: GenerationSpec | None = None
+        self._store = StoreClient()
+        self._model: ElasticDDP | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._objects: dict[str, Any] = {}
+        self._step_index = 0
+        self._cursor = data_math.DataCursor(seed=data_config.seed)
+        self._orders: dict[int, torch.Tensor] = {}
+        self._current_step: Step | None = None
+        self._flag: tuple[dist.Work, torch.Tensor] | None = None
+        self._dataset: Any = None
+
+    # --- what the train loop sees ------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.spec.rank if self.spec else -1
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size if self.spec else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self.spec.local_rank if self.spec else -1
+
+    @property
+    def generation(self) -> int:
+        return self.spec.generation if self.spec else -1
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps committed so far in the run."""
+        return self._step_index
+
+    def prepare_model(self, model: torch.nn.Module) -> ElasticDDP:
+        """Register `model` for healing and wrap it in DDP; call before `steps()`."""
+        if self._model is not None:
+            raise ElasticError("prepare_model() was called twice; elastic syncs one model per run")
+        model.to(self.device)
+        self._model = ElasticDDP(self, model)
+        self._objects["model"] = model
+        return self._model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Register `optimizer` for healing; its `step()` commits the current global step."""
+        if self._optimizer is not None:
+            raise ElasticError("prepare_optimizer() was called twice; elastic syncs one optimizer per run")
+        self._optimizer = optimizer
+        self._objects["optimizer"] = optimizer
+        optimizer.register_step_post_hook(lambda *_: self._commit())
+        return optimizer
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Sync another stateful object (a tensor, or anything with state_dict/load_state_dict)."""
+        if name in self._objects:
+            raise ElasticError(f"state {name!r} is already registered; pick another name")
+        self._objects[name] = obj
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        self._report_sink(
+            {"kind": "metrics", "step": self._step_index, "rank": self.rank, "time": time.time(), "metrics": metrics}
+        )
+
+    def steps(self, dataset: Any) -> Iterator[Step]:
+        """Yield each remaining global step of the run, healing and rescaling in between."""
+        self._dataset = dataset
+        num_samples = len(dataset)
+        if num_samples < self.data_config.global_batch_size:
+            raise ElasticError(
+                f"the dataset has {num_samples} samples, fewer than global_batch_size("
+                f"{self.data_config.global_batch_size}); use a larger dataset or a smaller global batch"
+            )
+        self._join(reason="start")
+        while self._step_index < self.data_config.max_steps:
+            if self._switch_agreed():
+                self._join(reason="rescale")
+                continue
+            self._fire_faults_at_step_start()
+            step = Step(self, self._step_index, self._cursor)
+            self._current_step = step
+            yield step
+            self._current_step = None
+            if not step.entered:
+                raise ElasticError("each step from ctx.steps() must be used as `with step:`")
+            if step.failed is not None:
+                self._flag = None
+                self._join(reason="heal", lost=0 if step.committed else 1)
+            elif self._step_index < self.data_config.max_steps:
+                self._launch_flag()
+        self._flag = None
+
+    # --- steps and micro-batches -------------------------------------------------------
+    def _micro_batches(self, step: Step) -> Iterator[MicroBatch]:
+        cfg = self.data_config
+        order = self._order(step.cursor.epoch)
+        indices = data_math.step_indices(step.cursor, order, cfg.global_batch_size, step.world_size, step.rank)
+        bounds = data_math.micro_bounds(len(indices), cfg.micro_batch_size)
+        ddp = self._model.ddp if self._model else None
+        for i, (start, stop) in enumerate(bounds):
+            chunk = indices[start:stop]
+            batch = MicroBatch(
+                data=_to_device(data_math.fetch(self._dataset, chunk), self.device),
+                indices=chunk,
+                weight=data_math.gradient_weight(stop - start, step.world_size, cfg.global_batch_size),
+            )
+            if ddp is not None and i < len(bounds) - 1:
+                with ddp.no_sync():
+                    yield batch
+            else:
+                yield batch
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            cfg = self.data_config
+            self._orders = {epoch: data_math.epoch_order(len(self._dataset), epoch, cfg.seed, cfg.shuffle)}
+        return self._orders[epoch]
+
+    def _commit(self) -> None:
+        step = self._current_step
+        if step is None or step.committed:
+            return
+        step.committed = True
+        self._step_index += 1
+        self._cursor = self._cursor.advance(self.data_config.global_batch_size, len(self._dataset))
+
+    def _end_step(self, step: Step, exc: BaseException | None) -> bool:
+        if exc is None:
+            self._commit()
+            self._report_sink(
+                {
+                    "kind": "step",
+                    "step": step.index,
+                    "rank": step.rank,
+                    "world_size": step.world_size,
+                    "generation": self.generation,
+                    "step_s": time.perf_counter() - step.started,
+                    "samples": self.data_config.global_batch_size,
+                    "time": time.time(),
+                }
+            )
+            return False
+        if isinstance(exc, GroupBrokenError) or is_peer_failure(exc):
+            step.failed = exc
+            if not step.committed and self._optimizer is not None:
+                self._optimizer.zero_grad(set_to_none=True)
+            return True
+        return False
+
+    # --- generations ---------------------------------------------------------------------
+    def _launch_flag(self) -> None:
+        """Start the all-reduce that makes every rank agree on the generation to be in.
+
+        Each rank contributes the newest generation it has been offered; the result is read at
+        the next boundary, so all ranks switch at the same step while training never waits.
+        """
+        flag = torch.tensor([self.mailbox.newest_generation], dtype=torch.int64, device=self.device)
+        self._flag = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+
+    def _switch_agreed(self) -> bool:
+        if self._flag is None:
+            return False
+        work, flag = self._flag
+        self._flag = None
+        try:
+            work.wait()
+        except Exception as exc:
+            if not is_peer_failure(exc):
+                raise
+            self._join(reason="heal", lost=0)
+            return False
+        return int(flag.item()) > self.generation
+
+    def _join(self, reason: str, lost: int = 0) -> None:
+        """Leave the current generation and join the newest one the controller offers."""
+        if reason == "heal":
+            self.mailbox.report_broken(self.generation)
+        while True:
+            spec = self.mailbox.wait_newer(self.generation)
+            started = time.perf_counter()
+            try:
+                self._form(spec)
+            except WorkerEvictedError:
+                raise
+            except Exception as exc:
+                if not is_peer_failure(exc):
+                    self.mailbox.formed(spec.generation, {"ok": False, "error": repr(exc)})
+                    raise
+                self.mailbox.formed(spec.generation, {"ok": False, "error": repr(exc)})
+                self.spec = spec
+                continue
+            self.mailbox.formed(
+                spec.generation,
+                {
+                    "ok": True,
+                    "seconds": time.perf_counter() - started,
+                    "step": self._step_index,
+                    "steps_lost": lost,
+                    "reason": reason,
+                    "source_rank": self._last_sync.source_rank,
+                },
+            )
+            return
+
+    def _form(self, spec: GenerationSpec) -> None:
+        self.spec = spec
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        form_group(spec, self._store.get(spec.store_host, spec.store_port))
+        progress = {"step": self._step_index, "cursor": self._cursor.to_dict()}
+        self._last_sync, progress = sync_state(self._objects, progress, self.device)
+        self._step_index = progress["step"]
+        self._cursor = data_math.DataCursor(**progress["cursor"])
+        if self._model is not None:
+            self._model.ddp = self._wrap(self._model.module)
+
+    def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
+        ddp = DistributedDataParallel(
+            module, device_ids=[self.device.index] if self.device.type == "cuda" else None, init_sync=False
+        )
+        if any(f.kind == "kill" and f.where == "allreduce" for f in self.faults):
+            ddp.register_comm_hook(self, _allreduce_with_faults)
+        return ddp
+
+    def _fire_faults_at_step_start(self) -> None:
+        for fault in self.faults:
+            if fault.where == "step_start" and self._due(fault):
+                _die()
+
+    def _due(self, fault: Fault) -> bool:
+        """True once per run, for the rank that first meets the fault at its step."""
+        if fault.rank != self.rank or fault.step != self._step_index:
+            return False
+        store = self._store.get(self.spec.store_host, self.spec.store_port)
+        return store.add(f"fault/{fault.spec()}", 1) == 1
+
+    def close(self) -> None:
+        leave_group(self.spec.backend if self.spec else "gloo")
+
+
+def _allreduce_with_faults(ctx: TrainContext, bucket: dist.GradBucket):
+    """DDP comm hook used only when `kill ... where=allreduce` faults exist: dies mid-all-reduce."""
+    for fault in ctx.faults:
+        if fault.where == "allreduce" and ctx._due(fault):
+            _die()
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _die() -> None:
+    """Injected process death: no cleanup, no exit handlers, exactly like a crash."""
+    os._exit(1)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _set_current(ctx: TrainContext | None) -> None:
+    global _current
+    _current = ctx

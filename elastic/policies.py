@@ -1,0 +1,83 @@
+"""Pure decisions of the controller: what to do about a failure, and which membership to run.
+
+The controller observes, asks these functions, logs the decision with its reason, and acts.
+Nothing here touches Ray, so each rule is tested directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+
+@dataclass(frozen=True)
+class FailureDecision:
+    action: Literal["HEAL", "RAISE"]
+    reason: str
+
+
+def decide_failure(kind: Literal["death", "app_error"], failures: int, max_failures: int) -> FailureDecision:
+    """A dead worker is healed around; an application error is tolerated only `max_failures` times.
+
+    `failures` counts application errors so far, including this one.
+    """
+    if kind == "death":
+        return FailureDecision("HEAL", "a worker died; the survivors heal in place (deaths do not count as failures)")
+    if failures <= max_failures:
+        return FailureDecision(
+            "HEAL",
+            f"Deciding to HEAL, since the total failure count ({failures}) <= FailureConfig(max_failures={max_failures})",
+        )
+    return FailureDecision(
+        "RAISE",
+        f"Deciding to RAISE, since the total failure count ({failures}) > FailureConfig(max_failures={max_failures})",
+    )
+
+
+@dataclass(frozen=True)
+class NoopDecision:
+    reason: str = "membership is as wanted"
+
+
+@dataclass(frozen=True)
+class ResizeDecision:
+    members: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class WaitDecision:
+    reason: str
+
+
+def decide_membership(
+    members: Sequence[int],
+    ready: Sequence[int],
+    generation_broken: bool,
+    min_workers: int,
+    max_workers: int,
+) -> NoopDecision | ResizeDecision | WaitDecision:
+    """The next membership, from the live members of the current generation and ready newcomers.
+
+    Members keep their order (so ranks change as little as possible); newcomers are appended
+    up to `max_workers`. Below `min_workers` the answer is to wait for capacity.
+    """
+    room = max(0, max_workers - len(members))
+    joining = tuple(ready[:room])
+    wanted = tuple(members) + joining
+    if len(wanted) < min_workers:
+        return WaitDecision(
+            f"only {len(wanted)} workers can run, fewer than min_workers({min_workers}); waiting for capacity"
+        )
+    if not members:
+        return ResizeDecision(wanted, f"start: {len(joining)} ready workers")
+    if generation_broken:
+        return ResizeDecision(wanted, f"heal: {len(members)} live members and {len(joining)} ready newcomers")
+    if joining:
+        return ResizeDecision(wanted, f"grow: {len(joining)} ready newcomers, {len(members)} -> {len(wanted)} workers")
+    return NoopDecision()
+
+
+def workers_to_start(live: int, max_workers: int) -> int:
+    """How many worker actors to request so that live + pending reaches `max_workers`."""
+    return max(0, max_workers - live)

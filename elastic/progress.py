@@ -1,0 +1,103 @@
+"""Progress of a run: the controller's tally of committed steps, and the driver's live line.
+
+Workers report each committed step (its duration and world size) and the user's metrics in
+batches; `ProgressTracker` folds them into the step count, throughput, productive time (for
+goodput) and the latest metrics. `ProgressLine` prints them on the driver: one line redrawn
+in place on a terminal, sparse plain lines in a job log.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+from typing import Any, TextIO
+
+THROUGHPUT_WINDOW_S = 5.0
+METRICS_EVENT_INTERVAL_S = 2.0
+PLAIN_LINE_INTERVAL_S = 10.0
+
+
+class ProgressTracker:
+    def __init__(self, global_batch_size: int, max_steps: int) -> None:
+        self.global_batch_size = global_batch_size
+        self.max_steps = max_steps
+        self.step = 0
+        self.productive_s = 0.0
+        self.last_metrics: dict[str, Any] = {}
+        self._metrics_key = (-1, 0)
+        self._recent: collections.deque = collections.deque()
+        self._last_sample = 0.0
+
+    def ingest(self, items: list[dict[str, Any]]) -> None:
+        for item in items:
+            if item["kind"] == "step":
+                # Every rank reports the same committed step; count it once, from the first report.
+                if item["step"] + 1 > self.step:
+                    self.step = item["step"] + 1
+                    self.productive_s += item["step_s"]
+                    self._recent.append((item["time"], item["samples"], item["world_size"]))
+            elif item["kind"] == "metrics":
+                # Newest step wins; within a step, the lowest rank's metrics.
+                key = (item["step"], -item["rank"])
+                if key >= self._metrics_key:
+                    self._metrics_key = key
+                    self.last_metrics = {"step": item["step"], **item["metrics"]}
+        horizon = time.time() - THROUGHPUT_WINDOW_S
+        while self._recent and self._recent[0][0] < horizon:
+            self._recent.popleft()
+
+    def samples_per_s(self) -> float:
+        if len(self._recent) < 2:
+            return 0.0
+        span = self._recent[-1][0] - self._recent[0][0]
+        return sum(n for _, n, _ in list(self._recent)[1:]) / span if span > 0 else 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "max_steps": self.max_steps,
+            "samples_per_s": self.samples_per_s(),
+            "productive_s": self.productive_s,
+            "metrics": self.last_metrics,
+        }
+
+    def sample(self) -> dict[str, Any] | None:
+        """A metrics event's fields, at most every METRICS_EVENT_INTERVAL_S."""
+        now = time.time()
+        if now - self._last_sample < METRICS_EVENT_INTERVAL_S or self.step == 0:
+            return None
+        self._last_sample = now
+        return {"step": self.step, "samples_per_s": self.samples_per_s(), "metrics": self.last_metrics}
+
+
+class ProgressLine:
+    """Shows a run's status on the driver."""
+
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
+        self.stream = stream
+        self.live = stream.isatty()
+        self._last_plain = 0.0
+        self._last_text = ""
+
+    def show(self, status: dict[str, Any]) -> None:
+        loss = status.get("metrics", {}).get("loss")
+        text = (
+            f"[elastic] {status['state']:<13} step {status['step']}/{status['max_steps']}  "
+            f"world {status['world_size']}  {status['samples_per_s']:.0f} samples/s"
+            + (f"  loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
+            + f"  last: {status['last_event']}"
+        )
+        if self.live:
+            self.stream.write("\r" + text.ljust(len(self._last_text)))
+            self.stream.flush()
+        elif time.time() - self._last_plain >= PLAIN_LINE_INTERVAL_S:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+            self._last_plain = time.time()
+        self._last_text = text
+
+    def close(self) -> None:
+        if self.live and self._last_text:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -1,0 +1,137 @@
+"""`ElasticTrainer`, the driver's entry point, and the `Result` of a run.
+
+    trainer = ElasticTrainer(train_loop, train_loop_config={...},
+                             scaling_config=ScalingConfig(min_workers=2, max_workers=4),
+                             run_config=RunConfig(name="lm", storage_path="/tmp/runs"),
+                             data_config=DataConfig(global_batch_size=64, micro_batch_size=32, max_steps=100))
+    result = trainer.fit()
+
+`fit()` validates everything it can before any actor starts, connects to Ray (a local
+instance unless an address or RAY_ADDRESS is given), starts the run's controller actor on
+the driver's node, shows progress while the run goes on, and returns a `Result` or raises.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from elastic.config import DataConfig, RunConfig, ScalingConfig, check_fits
+from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
+from elastic.events import read_events
+from elastic.faults import Fault, check_faults
+from elastic.progress import ProgressLine
+from elastic.storage import RunStorage
+
+STATUS_POLL_S = 0.5
+
+
+@dataclass
+class Result:
+    """What a finished run leaves: final metrics, step, goodput, rank 0's return value, events."""
+
+    metrics: dict[str, Any]
+    step: int
+    goodput: float
+    value: Any
+    path: str
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def events_of(self, type: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["type"] == type]
+
+
+class ElasticTrainer:
+    def __init__(
+        self,
+        train_loop: Callable,
+        *,
+        scaling_config: ScalingConfig,
+        run_config: RunConfig,
+        data_config: DataConfig,
+        train_loop_config: dict[str, Any] | None = None,
+        faults: list[Fault] | None = None,
+        address: str | None = None,
+        show_progress: bool = True,
+    ) -> None:
+        check_fits(scaling_config, data_config)
+        self.faults = list(faults or [])
+        check_faults(self.faults, data_config.max_steps, scaling_config.max_workers)
+        try:
+            ray.cloudpickle.dumps(train_loop)
+        except Exception as exc:
+            raise ElasticError(
+                f"train_loop cannot be pickled ({type(exc).__name__}: {exc}); define it at module level "
+                "and keep unpicklable objects (locks, open files, sockets) out of its closure"
+            ) from exc
+        self.train_loop = train_loop
+        self.train_loop_config = dict(train_loop_config or {})
+        self.scaling_config = scaling_config
+        self.run_config = run_config
+        self.data_config = data_config
+        self.address = address or os.environ.get("RAY_ADDRESS")
+        self.show_progress = show_progress
+
+    def fit(self) -> Result:
+        storage = RunStorage(self.run_config.storage_path, self.run_config.name)
+        storage.check_writable()
+        if not ray.is_initialized():
+            ray.init(address=self.address)
+        self._check_cluster_can_host_min_workers()
+
+        from actors.controller import Controller, RunSpec
+
+        spec = RunSpec(self.train_loop, self.train_loop_config, self.scaling_config, self.run_config,
+                       self.data_config, self.faults)
+        here = ray.get_runtime_context().get_node_id()
+        controller = Controller.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+            name=f"elastic-controller-{self.run_config.name}",
+            get_if_exists=False,
+        ).remote(spec)
+        run_ref = controller.run.remote()
+        line = ProgressLine() if self.show_progress else None
+        try:
+            while not ray.wait([run_ref], timeout=STATUS_POLL_S)[0]:
+                if line:
+                    line.show(ray.get(controller.status.remote()))
+        finally:
+            if line:
+                line.close()
+        outcome = ray.get(run_ref)
+        ray.kill(controller)
+        events = read_events(storage)
+        if not outcome["finished"]:
+            failure = outcome["failure"]
+            if failure.get("kind") == "capacity":
+                raise CapacityTimeoutError(failure["error"])
+            raise TrainingFailedError(
+                f"run {self.run_config.name!r} failed on rank {failure.get('rank')}: {failure['error']}",
+                rank=failure.get("rank"),
+                traceback=failure.get("traceback", ""),
+            )
+        return Result(outcome["metrics"], outcome["step"], outcome["goodput"], outcome["value"], storage.uri, events)
+
+    def _check_cluster_can_host_min_workers(self) -> None:
+        """Fail before starting anything when the cluster could never host min_workers."""
+        per_worker = self.scaling_config.worker_resources()
+        total = ray.cluster_resources()
+        for resource, amount in per_worker.items():
+            if amount <= 0:
+                continue
+            fits = int(total.get(resource, 0) // amount)
+            if fits < self.scaling_config.min_workers and not _autoscaling():
+                raise ElasticError(
+                    f"the cluster has {resource}={total.get(resource, 0):g} in all, enough for {fits} workers of "
+                    f"{per_worker}, but ScalingConfig(min_workers={self.scaling_config.min_workers}); lower "
+                    "min_workers or resources_per_worker, or add nodes"
+                )
+
+
+def _autoscaling() -> bool:
+    """An autoscaling cluster may add nodes later, so its current size is not a limit."""
+    return os.environ.get("ELASTIC_CLUSTER_AUTOSCALES", "") == "1"
