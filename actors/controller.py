@@ -196,8 +196,10 @@ class Controller:
             return
         reason, since = self.state.reason, self.state.since
         now = time.time()
+        members = [{"worker_id": w, "pid": self.workers[w].pid, "node": self.workers[w].node_id} for w in self.members]
         self.journal.emit("generation_formed", generation=generation, world_size=len(self.members), reason=reason,
-                          seconds=now - since, source_rank=outcomes[0]["source_rank"], step=outcomes[0]["step"])
+                          seconds=now - since, source_rank=outcomes[0]["source_rank"], step=outcomes[0]["step"],
+                          members=members)
         if self.failure_time is not None and reason.startswith("heal"):
             self.journal.emit("recovery", generation=generation, seconds=now - self.failure_time,
                               steps_lost=max(o["steps_lost"] for o in outcomes), world_size=len(self.members))
@@ -359,7 +361,9 @@ class Controller:
 
     def _result(self) -> dict[str, Any]:
         finished = isinstance(self.state, states.Finished)
-        first = min(self.outcomes, key=lambda w: w) if self.outcomes else None
+        # The train loop's return value of the lowest rank that finished, as Ray Train returns rank 0's.
+        ranked = [w for w in self.members if w in self.outcomes] or sorted(self.outcomes)
+        first = ranked[0] if ranked else None
         return {
             "finished": finished,
             "failure": None if finished else (self.failure or {"error": self.state.error}),

@@ -365,8 +365,12 @@ class TrainContext:
         leave_group(self.spec.backend if self.spec else "gloo")
 
 
-def _allreduce_with_faults(ctx: TrainContext, bucket: dist.GradBucket):
-    """DDP comm hook used only when `kill ... where=allreduce` faults exist: dies mid-all-reduce."""
+def _allreduce_with_faults(ctx, bucket):
+    """DDP comm hook used only when `kill ... where=allreduce` faults exist: dies mid-all-reduce.
+
+    Unannotated on purpose: DDP rejects a hook whose annotations are strings, which
+    `from __future__ import annotations` would make them.
+    """
     for fault in ctx.faults:
         if fault.where == "allreduce" and ctx._due(fault):
             _die()
