@@ -82,7 +82,8 @@ def regression_loop(config: dict) -> dict:
             optimizer.step()
             optimizer.zero_grad()
             ledger[step.cursor.epoch] += counts
-        if config.get("raise_at") == (ctx.rank, step.index):
+        bad_rank, bad_step = config.get("raise_from", (-1, 0))
+        if ctx.rank == bad_rank and step.index >= bad_step:
             raise ValueError(f"injected user error on rank {ctx.rank} at step {step.index}")
         elastic.report({"loss": loss.item()})
         time.sleep(config.get("sleep_s", 0.0))

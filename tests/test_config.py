@@ -1,0 +1,117 @@
+"""Bad configs are rejected before any actor starts, with messages that name the field."""
+
+import pytest
+from pydantic import ValidationError
+
+from elastic import DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, parse_fault
+from elastic.config import check_fits
+from elastic.errors import ElasticError
+from elastic.storage import RunStorage, StorageError
+
+
+def test_min_workers_above_max_workers_is_rejected_with_both_numbers():
+    with pytest.raises(ValidationError, match=r"min_workers\(3\) > max_workers\(2\)"):
+        ScalingConfig(min_workers=3, max_workers=2)
+
+
+@pytest.mark.parametrize("field", ["min_workers", "max_workers"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_zero_or_negative_worker_counts_are_rejected(field, value):
+    with pytest.raises(ValidationError, match=field):
+        ScalingConfig(**{field: value})
+
+
+def test_unknown_fields_are_rejected():
+    with pytest.raises(ValidationError, match="num_workers"):
+        ScalingConfig(num_workers=2)
+
+
+def test_configs_are_frozen():
+    config = ScalingConfig(min_workers=1, max_workers=2)
+    with pytest.raises(ValidationError):
+        config.max_workers = 3
+
+
+def test_gpu_resources_without_use_gpu_are_rejected():
+    with pytest.raises(ValidationError, match="use_gpu"):
+        ScalingConfig(resources_per_worker={"GPU": 1})
+
+
+def test_worker_resources_default_to_one_cpu_and_one_gpu_with_use_gpu():
+    assert ScalingConfig().worker_resources() == {"CPU": 1.0}
+    assert ScalingConfig(use_gpu=True, resources_per_worker={"CPU": 4}).worker_resources() == {"CPU": 4, "GPU": 1.0}
+    assert ScalingConfig(use_gpu=True).backend == "nccl" and ScalingConfig().backend == "gloo"
+
+
+def test_micro_batch_larger_than_global_batch_is_rejected():
+    with pytest.raises(ValidationError, match=r"micro_batch_size\(64\) > global_batch_size\(32\)"):
+        DataConfig(global_batch_size=32, micro_batch_size=64, max_steps=1)
+
+
+def test_global_batch_smaller_than_the_world_size_is_rejected():
+    with pytest.raises(ValueError, match=r"global_batch_size\(2\) < max_workers\(4\)"):
+        check_fits(ScalingConfig(min_workers=1, max_workers=4), DataConfig(global_batch_size=2, micro_batch_size=1, max_steps=1))
+
+
+def test_run_names_that_are_not_folder_names_are_rejected():
+    with pytest.raises(ValidationError, match="name"):
+        RunConfig(name="a/b", storage_path="/tmp")
+
+
+def test_fault_specs_parse_and_bad_ones_name_the_problem():
+    assert parse_fault("kill:rank=1,step=20") == Fault(kind="kill", rank=1, step=20)
+    assert parse_fault("kill:rank=0,step=3,where=allreduce").where == "allreduce"
+    with pytest.raises(ValueError, match="unknown fault kind 'explode'"):
+        parse_fault("explode:rank=1,step=2")
+    with pytest.raises(ValueError, match="step"):
+        parse_fault("kill:rank=1,step=-2")
+    with pytest.raises(ValueError, match="not key=value"):
+        parse_fault("kill:rank1")
+
+
+def _trainer(**overrides):
+    def loop():
+        pass
+
+    arguments = dict(
+        scaling_config=ScalingConfig(min_workers=1, max_workers=2),
+        run_config=RunConfig(name="x", storage_path="/tmp/elastic-config-test"),
+        data_config=DataConfig(global_batch_size=8, micro_batch_size=4, max_steps=10),
+    )
+    arguments.update(overrides)
+    return ElasticTrainer(loop, **arguments)
+
+
+def test_a_fault_beyond_the_end_of_the_run_is_rejected():
+    with pytest.raises(ValueError, match=r"step 10 but the run has max_steps\(10\)"):
+        _trainer(faults=[Fault(kind="kill", rank=0, step=10)])
+
+
+def test_a_fault_on_a_rank_the_run_never_has_is_rejected():
+    with pytest.raises(ValueError, match=r"rank 5 .* max_workers\(2\)"):
+        _trainer(faults=[Fault(kind="kill", rank=5, step=1)])
+
+
+def test_a_train_loop_that_cannot_be_pickled_is_rejected_up_front():
+    import threading
+
+    lock = threading.Lock()
+
+    def loop():
+        with lock:
+            pass
+
+    with pytest.raises(ElasticError, match="cannot be pickled"):
+        ElasticTrainer(
+            loop,
+            scaling_config=ScalingConfig(),
+            run_config=RunConfig(name="x", storage_path="/tmp"),
+            data_config=DataConfig(global_batch_size=8, micro_batch_size=4, max_steps=10),
+        )
+
+
+def test_an_unwritable_storage_path_fails_before_anything_starts(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(StorageError, match="cannot write to the run folder"):
+        RunStorage(str(blocker), "run").check_writable()

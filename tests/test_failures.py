@@ -1,0 +1,71 @@
+"""Failures elastic does not heal: errors in the user's code, and too little capacity."""
+
+import pytest
+import ray
+
+from elastic import CapacityTimeoutError, DataConfig, ElasticTrainer, FailureConfig, RunConfig, ScalingConfig
+from elastic.errors import ElasticError, TrainingFailedError
+from workloads import GLOBAL_BATCH, regression_loop
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _trainer(tmp_path, name, scaling, failure=FailureConfig(), **loop_config):
+    return ElasticTrainer(
+        regression_loop,
+        train_loop_config={"max_steps": 40, **loop_config},
+        scaling_config=scaling,
+        run_config=RunConfig(name=name, storage_path=str(tmp_path), failure_config=failure),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=40),
+        show_progress=False,
+    )
+
+
+def test_a_user_exception_fails_the_run_with_its_rank_and_remote_traceback(local_ray, tmp_path):
+    trainer = _trainer(tmp_path, "user-error", ScalingConfig(min_workers=2, max_workers=2), raise_from=(1, 5))
+    with pytest.raises(TrainingFailedError) as caught:
+        trainer.fit()
+    assert caught.value.rank == 1
+    assert "injected user error on rank 1 at step 5" in str(caught.value)
+    assert "regression_loop" in caught.value.traceback and "ValueError" in caught.value.traceback
+
+
+def test_a_user_exception_is_retried_no_more_than_max_failures(local_ray, tmp_path):
+    # Rank 1 keeps failing from step 5 on, so the worker that replaces it fails too.
+    trainer = _trainer(
+        tmp_path, "retried", ScalingConfig(min_workers=2, max_workers=2), FailureConfig(max_failures=1), raise_from=(1, 5)
+    )
+    with pytest.raises(TrainingFailedError):
+        trainer.fit()
+    from elastic.events import read_events
+    from elastic.storage import RunStorage
+
+    events = read_events(RunStorage(str(tmp_path), "retried"))
+    app_errors = [e for e in events if e["type"] == "worker_failed" and e["kind"] == "app_error"]
+    decisions = [e["action"] for e in events if e["type"] == "decision"]
+    assert len(app_errors) == 2
+    assert decisions == ["HEAL", "RAISE"]
+
+
+def test_waiting_below_min_workers_times_out_with_a_clear_message(local_ray, tmp_path):
+    @ray.remote(num_cpus=3)
+    class Hog:
+        def ready(self):
+            return True
+
+    hog = Hog.remote()
+    ray.get(hog.ready.remote())
+    try:
+        trainer = _trainer(
+            tmp_path, "starved", ScalingConfig(min_workers=2, max_workers=2), FailureConfig(capacity_timeout_s=12)
+        )
+        with pytest.raises(CapacityTimeoutError, match=r"only 1 of min_workers\(2\) workers could run"):
+            trainer.fit()
+    finally:
+        ray.kill(hog)
+
+
+def test_more_workers_than_the_cluster_could_ever_host_is_rejected_before_starting(local_ray, tmp_path):
+    trainer = _trainer(tmp_path, "too-big", ScalingConfig(min_workers=3, max_workers=3, resources_per_worker={"CPU": 2}))
+    with pytest.raises(ElasticError, match=r"CPU=4 in all, enough for 2 workers"):
+        trainer.fit()

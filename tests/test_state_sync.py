@@ -1,0 +1,54 @@
+"""State sync over a real gloo group of two processes (no Ray): the most advanced rank wins."""
+
+import hashlib
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elastic.state_sync import sync_state
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _digest(model, optimizer):
+    digest = hashlib.sha256()
+    for tensor in list(model.state_dict().values()) + [
+        v for state in optimizer.state_dict()["state"].values() for v in state.values() if torch.is_tensor(v)
+    ]:
+        digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _member(rank, port, steps, results):
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    torch.manual_seed(rank)  # every rank starts from different weights
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters())
+    counter = torch.zeros(5)
+    for _ in range(steps[rank]):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        counter += 1
+    result, progress = sync_state(
+        {"model": model, "optimizer": optimizer, "counter": counter},
+        {"step": steps[rank], "cursor": {"epoch": rank, "consumed": steps[rank]}},
+        torch.device("cpu"),
+    )
+    results[rank] = (result.source_rank, progress, _digest(model, optimizer), counter.tolist())
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("steps, source", [((3, 0), 0), ((1, 4), 1), ((2, 2), 0)])
+def test_the_most_advanced_rank_broadcasts_model_optimizer_and_progress(steps, source):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    results = mp.Manager().dict()
+    mp.start_processes(_member, args=(store.port, steps, results), nprocs=2, start_method="fork")
+    (src0, progress0, digest0, counter0), (src1, progress1, digest1, counter1) = results[0], results[1]
+    assert src0 == src1 == source
+    assert progress0 == progress1 == {"step": steps[source], "cursor": {"epoch": source, "consumed": steps[source]}}
+    assert digest0 == digest1, "model and optimizer state differ after the sync"
+    assert counter0 == counter1 == [float(steps[source])] * 5
