@@ -17,7 +17,6 @@ from typing import Any, Callable
 import ray
 import torch.distributed as dist
 from ray.exceptions import RayActorError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.worker import Worker
 from elastic import policies, states

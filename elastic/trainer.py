@@ -8,7 +8,7 @@
 
 `fit()` validates everything it can before any actor starts, connects to Ray (a local
 instance unless an address or RAY_ADDRESS is given), starts the run's controller actor on
-the driver's node, shows progress while the run goes on, and returns a `Result` or raises.
+the head node, shows progress while the run goes on, and returns a `Result` or raises.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.config import DataConfig, RunConfig, ScalingConfig, check_fits
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
@@ -28,6 +27,7 @@ from elastic.progress import ProgressLine
 from elastic.storage import RunStorage
 
 STATUS_POLL_S = 0.5
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
 @dataclass
@@ -87,9 +87,9 @@ class ElasticTrainer:
 
         spec = RunSpec(self.train_loop, self.train_loop_config, self.scaling_config, self.run_config,
                        self.data_config, self.faults)
-        here = ray.get_runtime_context().get_node_id()
+        # The head node lives as long as the cluster does; worker nodes may be preempted.
         controller = Controller.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+            resources={HEAD_NODE_RESOURCE: 0.001},
             name=f"elastic-controller-{self.run_config.name}",
             get_if_exists=False,
         ).remote(spec)

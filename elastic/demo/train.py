@@ -1,0 +1,148 @@
+"""The demo run: a byte-level transformer LM trained on the stdlib corpus by 2-3 elastic workers.
+
+    elastic demo                                  # the CLI front end, see elastic/cli.py
+    python -c "from elastic.demo import DemoConfig, run_demo; run_demo(DemoConfig())"
+
+`train_loop` is an ordinary elastic train loop and reads top to bottom like the example in
+`elastic.context`. `run_demo` prepares the corpus, starts Ray when no cluster is given, runs
+`ElasticTrainer.fit()` and condenses the run's events into a summary dict.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import ray
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+import elastic
+from elastic.config import DataConfig, RunConfig, ScalingConfig, check_fits
+from elastic.demo.corpus import DEFAULT_MAX_BYTES, DEFAULT_SEQ_LEN, VOCAB_SIZE, prepare_corpus
+from elastic.demo.model import ModelConfig, TinyLM
+from elastic.events import events_of
+from elastic.faults import Fault, check_faults
+
+# The demo's kill fires a quarter into the run: late enough that training is visibly under
+# way, early enough that the replacement worker has time to start and the run grows back.
+DEFAULT_FAULT_FRACTION = 0.25
+
+
+class DemoConfig(BaseModel):
+    """Everything one demo run needs; the defaults finish in about 1-2 minutes on 2 CPU cores."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field("demo", description="Run name; its events go to {storage_path}/{name}/events.jsonl.")
+    storage_path: str = Field("./runs", description="Local path or URI that holds the run folder.")
+    address: str | None = Field(None, description="Ray address to connect to; None starts a local Ray.")
+    min_workers: int = Field(2, gt=0, description="Fewest workers training continues with.")
+    max_workers: int = Field(3, gt=0, description="Most workers the run grows to.")
+    steps: int = Field(300, gt=0, description="Optimizer steps in the run.")
+    global_batch_size: int = Field(32, gt=0, description="Windows per optimizer step, across all workers.")
+    micro_batch_size: int = Field(8, gt=0, description="Most windows a worker puts through one forward pass.")
+    seq_len: int = Field(DEFAULT_SEQ_LEN, gt=0, description="Tokens (bytes) the model sees per window.")
+    max_bytes: int = Field(DEFAULT_MAX_BYTES, gt=0, description="Size cap of the stdlib corpus, in bytes.")
+    data_dir: str | None = Field(None, description="Corpus folder; None uses ~/.cache/elastic/corpus-stdlib-<seq_len>.")
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
+    seed: int = Field(0, description="Seed of the model's initial weights and of the data order.")
+    faults: list[Fault] = Field(default_factory=list, description="Faults to inject (see elastic.faults).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "DemoConfig":
+        # Surface every cross-field problem now, in the driver, before Ray starts anything.
+        check_fits(self.scaling_config(), self.data_config())
+        check_faults(self.faults, self.steps, self.max_workers)
+        return self
+
+    def scaling_config(self) -> ScalingConfig:
+        return ScalingConfig(min_workers=self.min_workers, max_workers=self.max_workers)
+
+    def data_config(self) -> DataConfig:
+        return DataConfig(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
+                          max_steps=self.steps, seed=self.seed)
+
+    def run_config(self) -> RunConfig:
+        return RunConfig(name=self.name, storage_path=self.storage_path)
+
+
+def default_fault(steps: int) -> Fault:
+    """The demo's default failure: rank 1 dies a quarter into the run."""
+    return Fault(kind="kill", rank=1, step=int(steps * DEFAULT_FAULT_FRACTION))
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """One worker's share of the run; `config` is a DemoConfig dumped to a dict."""
+    demo = DemoConfig.model_validate(config)
+    ctx = elastic.get_context()
+    # Every worker prepares the corpus itself: on the driver's node it is already there, and a
+    # worker on another node builds the identical corpus locally instead of needing shared disk.
+    corpus = prepare_corpus(demo.data_dir, demo.seq_len, demo.max_bytes)
+    dataset = elastic.ParquetDataset(str(corpus))
+    model = ctx.prepare_model(TinyLM(ModelConfig(seq_len=demo.seq_len), seed=demo.seed))
+    optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=demo.lr))
+    for step in ctx.steps(dataset):
+        with step:
+            loss_sum, windows = 0.0, 0
+            for mb in step.micro_batches():
+                tokens = mb.data["tokens"].long()
+                logits = model(tokens[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), tokens[:, 1:].reshape(-1))
+                mb.backward(loss)
+                loss_sum += loss.item() * len(tokens)
+                windows += len(tokens)
+            optimizer.step()
+            optimizer.zero_grad()
+        # A step whose peer died is redone in the next generation; only committed steps report.
+        if step.committed:
+            elastic.report({"loss": loss_sum / windows})
+
+
+def run_demo(config: DemoConfig, show_progress: bool = True) -> dict[str, Any]:
+    """Run the demo to its end and return its summary; raises what `ElasticTrainer.fit()` raises."""
+    # Building the corpus here fails fast on a bad data_dir and saves the workers the work.
+    prepare_corpus(config.data_dir, config.seq_len, config.max_bytes)
+    trainer = elastic.ElasticTrainer(
+        train_loop,
+        train_loop_config=config.model_dump(),
+        scaling_config=config.scaling_config(),
+        run_config=config.run_config(),
+        data_config=config.data_config(),
+        faults=config.faults,
+        address=config.address,
+        show_progress=show_progress,
+    )
+    if not (config.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
+        # address="local": a new instance even when a `ray start` cluster runs here (join that
+        # one with address="auto"). Logical CPUs: each worker asks for 1, so 2 cores host 3
+        # workers. No dashboard: it costs seconds of start-up and a core's worth of CPU.
+        ray.init(address="local", num_cpus=max(config.max_workers, 2), include_dashboard=False)
+    started = time.time()
+    result = trainer.fit()
+    return summarize(result, config, wall_s=time.time() - started)
+
+
+def summarize(result: elastic.Result, config: DemoConfig, wall_s: float) -> dict[str, Any]:
+    """The run condensed from its events: world sizes over time, recoveries, goodput, loss."""
+    losses = [(e["step"], e["metrics"]["loss"]) for e in events_of(result.events, "metrics") if "loss" in e["metrics"]]
+    return {
+        "name": config.name,
+        "storage_path": config.storage_path,
+        "events": f"{result.path}/events.jsonl",
+        "steps": result.step,
+        "samples": result.step * config.global_batch_size,
+        "wall_s": wall_s,
+        "world_size_history": [
+            {"time": e["time"], "world_size": e["world_size"], "generation": e["generation"], "reason": e["reason"]}
+            for e in events_of(result.events, "generation_formed")
+        ],
+        "recoveries": [{"seconds": e["seconds"], "steps_lost": e["steps_lost"]} for e in events_of(result.events, "recovery")],
+        "goodput": result.goodput,
+        "first_loss": losses[0][1] if losses else None,
+        "final_loss": result.metrics.get("loss"),
+        "loss_curve": [{"step": step, "loss": loss} for step, loss in losses],
+        "faults": [f.spec() for f in config.faults],
+    }

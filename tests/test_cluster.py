@@ -1,0 +1,84 @@
+"""Node loss and node addition on a simulated multi-node cluster (ray.cluster_utils.Cluster).
+
+The head node hosts only the driver and the controller (0 CPUs); two worker nodes host two
+workers each. Removing one of them takes half the workers away at once.
+"""
+
+import threading
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from elastic import DataConfig, ElasticTrainer, RunConfig, ScalingConfig
+from workloads import GLOBAL_BATCH, STEPS_PER_EPOCH, regression_loop
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster]
+
+MAX_STEPS = 60 * STEPS_PER_EPOCH
+POLL_S = 0.1
+
+
+@pytest.fixture
+def cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    yield cluster, nodes
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _status(name):
+    try:
+        return ray.get(ray.get_actor(f"elastic-controller-{name}").status.remote())
+    except ValueError:
+        return None
+
+
+def _wait_for(name, predicate, what):
+    while True:
+        status = _status(name)
+        if status and predicate(status):
+            return status
+        if status and status["state"] in ("FINISHED", "FAILED"):
+            raise AssertionError(f"run ended before {what}: {status}")
+        time.sleep(POLL_S)
+
+
+def test_training_continues_on_the_rest_when_a_node_with_half_the_workers_is_removed_and_regrows_on_a_new_node(
+    cluster, tmp_path
+):
+    cluster, (node_a, node_b) = cluster
+    trainer = ElasticTrainer(
+        regression_loop,
+        train_loop_config={"max_steps": MAX_STEPS, "sleep_s": 0.05},
+        scaling_config=ScalingConfig(min_workers=2, max_workers=4),
+        run_config=RunConfig(name="node-loss", storage_path=str(tmp_path)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=MAX_STEPS),
+        show_progress=False,
+    )
+    outcome = {}
+    fit = threading.Thread(target=lambda: outcome.update(result=trainer.fit()))
+    fit.start()
+
+    _wait_for("node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 4 and s["step"] >= 10, "4 workers ran")
+    cluster.remove_node(node_b)
+    _wait_for("node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 2, "the run healed to 2 workers")
+    node_c = cluster.add_node(num_cpus=2)
+    fit.join()
+
+    result = outcome["result"]
+    assert result.step == MAX_STEPS
+    formed = result.events_of("generation_formed")
+    sizes = [e["world_size"] for e in formed]
+    assert sizes[0] == 4 and 2 in sizes and sizes[-1] == 4
+    healed = formed[sizes.index(2)]
+    survivors = {m["node"] for m in healed["members"]}
+    assert survivors == {node_a.node_id}
+    assert {m["node"] for m in formed[-1]["members"]} == {node_a.node_id, node_c.node_id}
+    assert all(r["steps_lost"] <= 1 for r in result.events_of("recovery"))
+    dead = {e["worker_id"] for e in result.events_of("worker_failed")}
+    assert len(dead) == 2 and {m["worker_id"] for m in formed[0]["members"] if m["node"] == node_b.node_id} == dead
