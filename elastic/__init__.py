@@ -1,11 +1,14 @@
-"""elastic: elastic data-parallel training on Ray that heals in place."""
+"""elastic: elastic data-parallel training on Ray that heals in place.
+
+`ElasticTrainer` and `Result` are imported on first use, so that the pure modules (and a
+worker's train loop) can be imported without pulling in the driver's side.
+"""
 
 from elastic.config import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from elastic.context import MicroBatch, Step, TrainContext, get_context, report
 from elastic.data import DataCursor, ParquetDataset
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
 from elastic.faults import Fault, parse_fault
-from elastic.trainer import ElasticTrainer, Result
 
 __all__ = [
     "CapacityTimeoutError",
@@ -28,3 +31,11 @@ __all__ = [
     "parse_fault",
     "report",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("ElasticTrainer", "Result"):
+        from elastic import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'elastic' has no attribute {name!r}")

@@ -1,0 +1,102 @@
+"""`elastic demo` argument handling: usage errors exit 2 with a fix, and never start Ray."""
+
+import json
+
+import pytest
+
+from elastic import cli
+from elastic.faults import Fault
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """Stands in for run_demo: records each config it gets and returns a canned summary."""
+    configs = []
+
+    def fake_run_demo(config):
+        configs.append(config)
+        return {
+            "name": config.name, "storage_path": config.storage_path, "events": "runs/demo/events.jsonl",
+            "steps": config.steps, "samples": config.steps * config.global_batch_size, "wall_s": 70.0,
+            "world_size_history": [
+                {"time": 100.0, "world_size": 3, "generation": 0, "reason": "start: 3 ready workers"},
+                {"time": 118.0, "world_size": 2, "generation": 1, "reason": "heal: 2 live members"},
+            ],
+            "recoveries": [{"seconds": 0.4, "steps_lost": 1}], "goodput": 0.8,
+            "first_loss": 4.9, "final_loss": 2.3, "loss_curve": [], "faults": [f.spec() for f in config.faults],
+        }
+
+    monkeypatch.setattr(cli, "run_demo", fake_run_demo)
+    return configs
+
+
+def usage_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bad_inject_spec_exits_2_with_the_parse_message(runs, capsys):
+    err = usage_error(["demo", "--inject", "kill:rank=1"], capsys)
+
+    assert "bad fault 'kill:rank=1': step: Field required" in err
+    assert runs == []
+
+
+def test_unknown_fault_kind_names_the_known_kinds(runs, capsys):
+    assert "known kinds: kill" in usage_error(["demo", "--inject", "explode:rank=1,step=2"], capsys)
+
+
+def test_inject_step_beyond_the_last_step_is_rejected(runs, capsys):
+    err = usage_error(["demo", "--steps", "10", "--inject", "kill:rank=1,step=10"], capsys)
+
+    assert "use a step below 10" in err
+    assert runs == []
+
+
+def test_inject_rank_beyond_max_workers_is_rejected(runs, capsys):
+    assert "use a rank below 3" in usage_error(["demo", "--inject", "kill:rank=3,step=5"], capsys)
+
+
+def test_min_workers_above_max_workers_is_rejected(runs, capsys):
+    assert "min_workers(4) > max_workers(3)" in usage_error(["demo", "--min-workers", "4"], capsys)
+
+
+def test_inject_none_cannot_be_combined_with_faults(runs, capsys):
+    err = usage_error(["demo", "--inject", "none", "--inject", "kill:rank=1,step=3"], capsys)
+
+    assert "cannot be combined" in err
+
+
+def test_without_inject_rank_1_dies_a_quarter_in_and_the_user_is_told(runs, capsys):
+    assert cli.main(["demo", "--steps", "100"]) == 0
+
+    assert runs[0].faults == [Fault(kind="kill", rank=1, step=25)]
+    assert "--inject none" in capsys.readouterr().out
+
+
+def test_inject_none_runs_without_faults(runs):
+    assert cli.main(["demo", "--inject", "none"]) == 0
+
+    assert runs[0].faults == []
+
+
+def test_given_faults_replace_the_default(runs):
+    cli.main(["demo", "--inject", "kill:rank=0,step=5", "--inject", "kill:rank=2,step=9,where=allreduce"])
+
+    assert [f.spec() for f in runs[0].faults] == ["kill:rank=0,step=5", "kill:rank=2,step=9,where=allreduce"]
+
+
+def test_summary_json_is_written_and_summarized(runs, tmp_path, capsys):
+    path = tmp_path / "summary.json"
+
+    assert cli.main(["demo", "--inject", "none", "--summary-json", str(path), "--name", "mine"]) == 0
+
+    summary = json.loads(path.read_text())
+    assert summary["name"] == "mine" and summary["recoveries"] == [{"seconds": 0.4, "steps_lost": 1}]
+    out = capsys.readouterr().out
+    assert "3 (start at 0s) -> 2 (heal at 18s)" in out
+    assert str(path) in out

@@ -1,0 +1,107 @@
+"""The worker-side protocol without Ray: ranks agree on a generation switch at one boundary.
+
+Each process runs a real TrainContext over a real process group (gloo on CPU; NCCL where
+GPUs exist). The test plays the controller's part: it offers generation 0, then, from a
+side thread once a rank has passed step 5, generation 1. Ranks see the offer at different
+moments, yet must switch at the same step, and end with identical parameters.
+"""
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elastic.config import DataConfig
+from elastic.context import TrainContext, _set_current
+from elastic.group import GenerationSpec
+from elastic.mailbox import GenerationMailbox
+
+pytestmark = pytest.mark.timeout(120)
+MAX_STEPS = 20
+SWITCH_AFTER = 5
+
+
+def _spec(generation, rank, world_size, port, backend):
+    return GenerationSpec(
+        generation=generation, rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
+        node_rank=0, store_host="127.0.0.1", store_port=port, backend=backend, reason="test", collective_timeout_s=60,
+    )
+
+
+def _member(rank, world_size, port, backend, results):
+    if backend == "nccl":
+        # Each rank sees only its own GPU, as Ray arranges with CUDA_VISIBLE_DEVICES.
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    mailbox = GenerationMailbox(on_broken=lambda generation: None)
+    reports = []
+    ctx = TrainContext(
+        DataConfig(global_batch_size=12, micro_batch_size=4, max_steps=MAX_STEPS), mailbox, [], reports.append,
+        use_gpu=backend == "nccl",
+    )
+    _set_current(ctx)
+    torch.manual_seed(rank)  # ranks start different; the first sync makes them equal
+    model = ctx.prepare_model(torch.nn.Linear(4, 1))
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    data = torch.utils.data.TensorDataset(torch.randn(48, 4), torch.randn(48, 1))
+    mailbox.offer(_spec(0, rank, world_size, port, backend))
+
+    def offer_next_generation():
+        while ctx.step < SWITCH_AFTER:
+            time.sleep(0.001)
+        time.sleep(0.01 * rank)  # ranks learn of it at different times
+        mailbox.offer(_spec(1, rank, world_size, port, backend))
+
+    threading.Thread(target=offer_next_generation, daemon=True).start()
+    generations = []
+    for step in ctx.steps(data):
+        with step:
+            for mb in step.micro_batches():
+                x, y = mb.data
+                mb.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        generations.append(ctx.generation)
+        time.sleep(0.005)
+    results[rank] = {
+        "generations": generations,
+        "weight": model.module.weight.detach().cpu().tolist(),
+        "formed": [mailbox.wait_formed(g, 1) for g in (0, 1)],
+        "device": str(next(model.module.parameters()).device),
+    }
+    ctx.close()
+
+
+def _run(world_size, backend):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    results = mp.Manager().dict()
+    mp.start_processes(_member, args=(world_size, store.port, backend, results), nprocs=world_size, start_method="spawn")
+    return [results[r] for r in range(world_size)]
+
+
+def _check(results, device_type):
+    generations = results[0]["generations"]
+    assert len(generations) == MAX_STEPS
+    assert 0 in generations and 1 in generations, "the run never switched to generation 1"
+    assert all(r["generations"] == generations for r in results), "ranks switched at different steps"
+    assert all(r["weight"] == results[0]["weight"] for r in results)
+    assert all(f["ok"] for r in results for f in r["formed"])
+    assert all(r["device"].startswith(device_type) for r in results)
+
+
+def test_ranks_switch_generation_at_the_same_step_boundary_over_gloo():
+    _check(_run(2, "gloo"), "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_nccl_group_is_aborted_and_reformed_in_the_same_process():
+    _check(_run(1, "nccl"), "cuda")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_ranks_switch_generation_at_the_same_step_boundary_over_nccl():
+    _check(_run(2, "nccl"), "cuda")
