@@ -139,9 +139,9 @@ class Controller:
             return
         record.status = "gone"
         if outcome and outcome["outcome"] == "finished":
+            # The train loop returned: at max_steps, or because the user ended it early.
             self.outcomes[worker_id] = outcome
-            if outcome["step"] >= self.spec.data.max_steps:
-                self._enter(states.Finished(), f"rank {rank} finished all {self.spec.data.max_steps} steps")
+            self._enter(states.Finished(), f"rank {rank} finished its train loop at step {outcome['step']}")
             return
         if outcome and outcome["outcome"] == "evicted":
             return
