@@ -21,7 +21,17 @@ from ray.exceptions import RayActorError
 from actors.worker import Worker
 from elastic import policies, states
 from elastic.config import DataConfig, RunConfig, ScalingConfig
-from elastic.events import EventJournal
+from elastic.checkpoint import (
+    MANIFEST,
+    Checkpoint,
+    checkpoint_steps,
+    checkpoint_storage,
+    latest_complete,
+    step_dir,
+    steps_to_delete,
+    write_manifest,
+)
+from elastic.events import EventJournal, read_events
 from elastic.faults import Fault
 from elastic.group import GenerationSpec
 from elastic.progress import ProgressTracker
@@ -40,6 +50,7 @@ class WorkerRecord:
     worker_id: int
     handle: Any
     status: str = "pending"  # pending -> ready -> member -> gone
+    was_member: bool = False
     node_id: str = ""
     pid: int = 0
 
@@ -54,15 +65,20 @@ class RunSpec:
     run: RunConfig
     data: DataConfig
     faults: list[Fault] = field(default_factory=list)
+    resume_from: Checkpoint | None = None
 
 
 @ray.remote(num_cpus=0)
 class Controller:
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
-        self.storage = RunStorage(spec.run.storage_path, spec.run.name)
-        self.journal = EventJournal(self.storage)
+        self.storage = RunStorage(spec.run.storage_path, spec.run.name, spec.run.storage_filesystem)
+        # A resumed run, or this controller restarted by Ray, continues the run's journal.
+        self.journal = EventJournal(self.storage, read_events(self.storage))
         self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        for event in self.journal.events:
+            if event["type"] == "fault_injected":
+                self.store.add(f"fault/{event['fault']}", 1)  # a fault fires once per run, across restarts
         self.store_host = ray.util.get_node_ip_address()
         self.state: states.ControllerState = states.Starting()
         self.workers: dict[int, WorkerRecord] = {}
@@ -70,7 +86,9 @@ class Controller:
         self.generation = -1
         self.world_size = 0
         self.generation_broken = False
-        self.app_failures = 0
+        self.failures = 0
+        self.latest_checkpoint: Checkpoint | None = None
+        self.shards: dict[tuple[int, int], list[dict[str, Any]]] = {}
         self.failure_time: float | None = None
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.progress = ProgressTracker(spec.data.global_batch_size, spec.data.max_steps)
@@ -82,8 +100,16 @@ class Controller:
 
     # --- called by the driver ----------------------------------------------------------
     async def run(self) -> dict[str, Any]:
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self.journal.emit("controller_restarted", reason="the controller actor died and Ray restarted it")
         self.journal.emit("run_started", name=self.spec.run.name, scaling=self.spec.scaling.model_dump(),
                           data=self.spec.data.model_dump(), faults=[f.spec() for f in self.spec.faults])
+        self.latest_checkpoint = self.spec.resume_from or await asyncio.to_thread(
+            latest_complete, self.storage,
+            lambda step, reason: self.journal.emit("checkpoint_skipped", step=step, reason=reason),
+        )
+        if self.latest_checkpoint is not None:
+            self.journal.emit("run_resumed", step=self.latest_checkpoint.step, checkpoint=self.latest_checkpoint.path)
         self.loop_ref = ray.put(self.spec.train_loop)
         self._start_workers()
         self._enter(states.Waiting(time.time(), time.time() + self.spec.run.failure_config.capacity_timeout_s),
@@ -116,6 +142,36 @@ class Controller:
     async def group_broken(self, worker_id: int, generation: int) -> None:
         self.inbox.put_nowait(("broken", worker_id, generation, time.time()))
 
+    async def fault_fired(self, worker_id: int, fault: str) -> None:
+        self.journal.emit("fault_injected", worker_id=worker_id, fault=fault)
+        self.journal.flush()
+
+    async def shard_written(self, report: dict[str, Any]) -> None:
+        """A rank finished (or failed) writing its shard; the last one completes the checkpoint."""
+        step, world_size = report["step"], report["world_size"]
+        if "error" in report:
+            self.journal.emit("checkpoint_skipped", step=step, reason=f"rank {report['rank']} could not write: {report['error']}")
+            return
+        shards = self.shards.setdefault((step, world_size), [])
+        shards.append(report)
+        if len(shards) < world_size:
+            return
+        del self.shards[(step, world_size)]
+        files = [f for r in shards for f in r["files"]]
+        metadata = next(r["metadata"] for r in shards if r["rank"] == 0)
+        manifest = await asyncio.to_thread(write_manifest, self.storage, shards[0]["progress"], world_size, files, metadata)
+        self.latest_checkpoint = Checkpoint(checkpoint_storage(self.storage, step), manifest)
+        self.journal.emit("checkpoint_saved", step=step, bytes=sum(f["size"] for f in files),
+                          stall_s=max(r["stall_s"] for r in shards), upload_s=max(r["upload_s"] for r in shards),
+                          path=self.latest_checkpoint.path)
+        await asyncio.to_thread(self._retain)
+
+    def _retain(self) -> None:
+        steps = checkpoint_steps(self.storage)
+        complete = [s for s in steps if self.storage.size(f"{step_dir(s)}/{MANIFEST}") is not None]
+        for step in steps_to_delete(steps, complete, self.spec.run.checkpoint_config.keep_last):
+            self.storage.delete_dir(step_dir(step))
+
     # --- observations --------------------------------------------------------------------
     async def _on_ready(self, worker_id: int, ready: bool) -> None:
         record = self.workers[worker_id]
@@ -147,16 +203,20 @@ class Controller:
             return
         kind = "app_error" if outcome else "death"
         cause = outcome["error"] if outcome else error
-        if kind == "app_error":
-            self.app_failures += 1
         self.journal.emit("worker_failed", worker_id=worker_id, rank=rank, node=record.node_id, pid=record.pid,
                           kind=kind, cause=cause, generation=self.generation)
-        decision = policies.decide_failure(kind, self.app_failures, self.spec.run.failure_config.max_failures)
+        if kind == "death" and was_member and len(self.members) == 1:
+            kind = "all_lost"
+        if kind != "death":
+            self.failures += 1
+        decision = policies.decide_failure(kind, self.failures, self.spec.run.failure_config.max_failures)
         self.journal.emit("decision", action=decision.action, reason=decision.reason)
         if decision.action == "RAISE":
+            if kind == "all_lost":
+                cause = f"every worker was lost (the last one: {cause}); {decision.reason}"
             self._enter(states.Failed(cause), decision.reason)
-            self.failure = {"error": cause, "rank": outcome.get("rank"), "traceback": outcome.get("traceback", ""),
-                            "kind": kind}
+            self.failure = {"error": cause, "rank": (outcome or {}).get("rank"),
+                            "traceback": (outcome or {}).get("traceback", ""), "kind": kind}
             return
         if kind == "app_error":
             ray.kill(record.handle)
@@ -199,9 +259,12 @@ class Controller:
         self.journal.emit("generation_formed", generation=generation, world_size=len(self.members), reason=reason,
                           seconds=now - since, source_rank=outcomes[0]["source_rank"], step=outcomes[0]["step"],
                           members=members)
-        if self.failure_time is not None and reason.startswith("heal"):
+        if self.failure_time is not None:
+            # Partial steps the survivors dropped, or committed steps rolled back to a checkpoint.
+            rolled_back = self.progress.step - outcomes[0]["step"]
             self.journal.emit("recovery", generation=generation, seconds=now - self.failure_time,
-                              steps_lost=max(o["steps_lost"] for o in outcomes), world_size=len(self.members))
+                              steps_lost=max(rolled_back, *(o["steps_lost"] for o in outcomes)),
+                              world_size=len(self.members), from_checkpoint=not reason.startswith("heal"))
             self.failure_time = None
         self._enter(states.Running(generation), reason)
         self.journal.flush()
@@ -244,6 +307,9 @@ class Controller:
 
     def _form(self, members: list[int], reason: str) -> None:
         old_size = self.world_size
+        # Only when no member has live state (a start, or every worker was lost) is storage read.
+        fresh = not any(self.workers[w].was_member for w in members)
+        resume_from = self.latest_checkpoint if fresh else None
         since = self.failure_time if reason.startswith("heal") and self.failure_time else time.time()
         self.generation += 1
         self.generation_broken = False
@@ -251,10 +317,11 @@ class Controller:
         self.world_size = len(members)
         for worker_id in members:
             self.workers[worker_id].status = "member"
+            self.workers[worker_id].was_member = True
         if old_size and old_size != len(members):
             self.journal.emit("rescale", generation=self.generation, from_size=old_size, to_size=len(members), reason=reason)
         self._enter(states.Reconfiguring(self.generation, reason, since), reason)
-        specs = self._specs(members)
+        specs = self._specs(members, resume_from)
         for worker_id, spec in zip(members, specs):
             self.workers[worker_id].handle.join.remote(spec)
         generation = self.generation
@@ -266,7 +333,7 @@ class Controller:
 
         asyncio.ensure_future(collect())
 
-    def _specs(self, members: list[int]) -> list[GenerationSpec]:
+    def _specs(self, members: list[int], resume_from: Checkpoint | None) -> list[GenerationSpec]:
         nodes = list(dict.fromkeys(self.workers[w].node_id for w in members))
         specs = []
         for rank, worker_id in enumerate(members):
@@ -277,7 +344,7 @@ class Controller:
                 local_rank=same_node.index(worker_id), local_world_size=len(same_node), node_rank=nodes.index(node),
                 store_host=self.store_host, store_port=self.store.port, backend=self.spec.scaling.backend,
                 reason=self.state.reason if isinstance(self.state, states.Reconfiguring) else "",
-                collective_timeout_s=self.spec.run.failure_config.collective_timeout_s,
+                collective_timeout_s=self.spec.run.failure_config.collective_timeout_s, resume_from=resume_from,
             ))
         return specs
 
@@ -289,7 +356,8 @@ class Controller:
         for _ in range(policies.workers_to_start(live, self.spec.scaling.max_workers)):
             worker_id = len(self.workers)
             handle = Worker.options(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, max_restarts=0).remote(
-                worker_id, me, self.spec.data, self.spec.faults, self.spec.scaling.use_gpu, num_cpus
+                worker_id, me, self.spec.data, self.spec.run.checkpoint_config, self.storage, self.spec.faults,
+                self.spec.scaling.use_gpu, num_cpus,
             )
             self.workers[worker_id] = WorkerRecord(worker_id, handle)
             asyncio.ensure_future(self._watch(worker_id, handle))
@@ -371,4 +439,5 @@ class Controller:
             "goodput": self._goodput(),
             "value": self.outcomes[first]["value"] if first is not None else None,
             "events_uri": self.storage.uri + "/" + EventJournal.FILE,
+            "checkpoint": self.latest_checkpoint,
         }

@@ -19,12 +19,14 @@ from typing import Any, Callable
 import ray
 import torch
 
-from elastic.config import DataConfig
+from elastic.checkpoint import CheckpointWriter
+from elastic.config import CheckpointConfig, DataConfig
 from elastic.context import TrainContext, _set_current
 from elastic.errors import WorkerEvictedError
 from elastic.faults import Fault
 from elastic.group import GenerationSpec
 from elastic.mailbox import GenerationMailbox
+from elastic.storage import RunStorage
 
 REPORT_FLUSH_INTERVAL_S = 0.2
 
@@ -32,14 +34,27 @@ REPORT_FLUSH_INTERVAL_S = 0.2
 @ray.remote(concurrency_groups={"train": 1, "control": 4})
 class Worker:
     def __init__(
-        self, worker_id: int, controller: Any, data_config: DataConfig, faults: list[Fault], use_gpu: bool, num_cpus: float
+        self,
+        worker_id: int,
+        controller: Any,
+        data_config: DataConfig,
+        checkpoint_config: CheckpointConfig,
+        storage: RunStorage,
+        faults: list[Fault],
+        use_gpu: bool,
+        num_cpus: float,
     ) -> None:
         torch.set_num_threads(max(1, int(num_cpus)))
         self.worker_id = worker_id
         self._controller = controller
         self._reports: collections.deque = collections.deque()
         self.mailbox = GenerationMailbox(on_broken=lambda g: controller.group_broken.remote(worker_id, g))
-        self.ctx = TrainContext(data_config, self.mailbox, faults, self._reports.append, use_gpu)
+        # Both calls block their (background or dying) caller until the controller has the news.
+        writer = CheckpointWriter(storage, on_written=lambda report: ray.get(controller.shard_written.remote(report)))
+        self.ctx = TrainContext(
+            data_config, self.mailbox, faults, self._reports.append, use_gpu, checkpoint_config, writer,
+            on_fault=lambda fault: ray.get(controller.fault_fired.remote(worker_id, fault.spec())),
+        )
         self._stop = threading.Event()
         threading.Thread(target=self._flush_loop, daemon=True, name="elastic-reports").start()
 

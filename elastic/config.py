@@ -7,7 +7,9 @@ fixes the global batch, which elastic keeps constant at every world size.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
+
+import pyarrow.fs as pafs
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -75,9 +77,15 @@ class DataConfig(_Frozen):
 
 
 class CheckpointConfig(_Frozen):
-    """Which durable checkpoints to keep."""
+    """When to write durable checkpoints, and how many to keep. With neither schedule set, none are written."""
 
-    keep_last: int = Field(2, gt=0, description="Complete checkpoints kept; older ones are deleted.")
+    every_steps: int | None = Field(None, gt=0, description="Checkpoint after every N committed steps (and at the end).")
+    every_s: float | None = Field(None, gt=0, description="Checkpoint at the first step boundary T seconds after the last one.")
+    keep_last: int = Field(2, gt=0, description="Complete checkpoints kept; older ones are deleted once a newer one is complete.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps is not None or self.every_s is not None
 
 
 class FailureConfig(_Frozen):
@@ -102,8 +110,21 @@ class RunConfig(_Frozen):
 
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="Run name; a folder under storage_path.")
     storage_path: str = Field(..., min_length=1, description="Local path or URI (s3://, gs://) that holds the run folder.")
+    storage_filesystem: Any = Field(
+        None, description="A pyarrow.fs.FileSystem to use instead of resolving storage_path (then a path on it)."
+    )
     checkpoint_config: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint retention.")
     failure_config: FailureConfig = Field(default_factory=FailureConfig, description="Failure handling.")
+
+
+    @model_validator(mode="after")
+    def _check_filesystem(self) -> "RunConfig":
+        if self.storage_filesystem is not None and not isinstance(self.storage_filesystem, pafs.FileSystem):
+            raise ValueError(
+                f"storage_filesystem is a {type(self.storage_filesystem).__name__}, not a pyarrow.fs.FileSystem; "
+                "pass e.g. pyarrow.fs.S3FileSystem(...) or leave it None"
+            )
+        return self
 
 
 def check_fits(scaling: ScalingConfig, data: DataConfig) -> None:

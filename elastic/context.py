@@ -31,12 +31,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic import data as data_math
-from elastic.config import DataConfig
+from elastic.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, take_snapshot
+from elastic.config import CheckpointConfig, DataConfig
 from elastic.errors import ElasticError, GroupBrokenError, WorkerEvictedError
 from elastic.faults import Fault
 from elastic.group import GenerationSpec, StoreClient, form_group, is_peer_failure, leave_group
 from elastic.mailbox import GenerationMailbox
-from elastic.state_sync import sync_state
+from elastic.state_sync import load_into, state_of, sync_state
 
 _current: "TrainContext | None" = None
 
@@ -120,8 +121,20 @@ class TrainContext:
         faults: list[Fault],
         report_sink: Callable[[dict[str, Any]], None],
         use_gpu: bool,
+        checkpoint_config: CheckpointConfig = CheckpointConfig(),
+        writer: CheckpointWriter | None = None,
+        on_fault: Callable[[Fault], None] = lambda fault: None,
     ) -> None:
+        if checkpoint_config.enabled and writer is None:
+            raise ElasticError("a checkpoint schedule needs a CheckpointWriter")
         self.data_config = data_config
+        self.checkpoint_config = checkpoint_config
+        self._writer = writer
+        self._on_fault = on_fault
+        self._checkpoint_files: dict[str, bytes] = {}
+        self._checkpoint_metadata: dict[str, Any] = {}
+        self._last_checkpoint = time.monotonic()
+        self.checkpoint: Checkpoint | None = None
         self.mailbox = mailbox
         self.faults = faults
         self._report_sink = report_sink
@@ -184,6 +197,16 @@ class TrainContext:
             raise ElasticError(f"state {name!r} is already registered; pick another name")
         self._objects[name] = obj
 
+    def add_checkpoint_file(self, name: str, data: bytes) -> None:
+        """Store `data` as file `name` in every checkpoint from now on; read it with Checkpoint.read_file."""
+        if not name or "/" in name or name.startswith("."):
+            raise ElasticError(f"checkpoint file name {name!r} must be a plain file name")
+        self._checkpoint_files[name] = bytes(data)
+
+    def set_checkpoint_metadata(self, **metadata: Any) -> None:
+        """JSON-able values stored in the manifest of every checkpoint from now on."""
+        self._checkpoint_metadata.update(metadata)
+
     def report(self, metrics: dict[str, Any]) -> None:
         self._report_sink(
             {"kind": "metrics", "step": self._step_index, "rank": self.rank, "time": time.time(), "metrics": metrics}
@@ -199,10 +222,16 @@ class TrainContext:
                 f"{self.data_config.global_batch_size}); use a larger dataset or a smaller global batch"
             )
         self._join(reason="start")
-        while self._step_index < self.data_config.max_steps:
-            if self._switch_agreed():
-                self._join(reason="rescale")
-                continue
+        max_steps = self.data_config.max_steps
+        while self._step_index < max_steps:
+            agreed = self._read_flag()
+            if agreed is not None:
+                generation, checkpoint_wanted = agreed
+                if checkpoint_wanted:
+                    self._checkpoint()
+                if generation > self.generation:
+                    self._join(reason="rescale")
+                    continue
             self._fire_faults_at_step_start()
             step = Step(self, self._step_index, self._cursor)
             self._current_step = step
@@ -213,9 +242,17 @@ class TrainContext:
             if step.failed is not None:
                 self._flag = None
                 self._join(reason="heal", lost=0 if step.committed else 1)
-            elif self._step_index < self.data_config.max_steps:
+                continue
+            every = self.checkpoint_config.every_steps
+            if self._step_index == max_steps and self.checkpoint_config.enabled:
+                self._checkpoint()
+            elif every and self._step_index % every == 0:
+                self._checkpoint()
+            if self._step_index < max_steps:
                 self._launch_flag()
         self._flag = None
+        if self._writer is not None:
+            self._writer.wait()
 
     # --- steps and micro-batches -------------------------------------------------------
     def _micro_batches(self, step: Step) -> Iterator[MicroBatch]:
@@ -276,17 +313,21 @@ class TrainContext:
 
     # --- generations ---------------------------------------------------------------------
     def _launch_flag(self) -> None:
-        """Start the all-reduce that makes every rank agree on the generation to be in.
+        """Start the all-reduce that makes every rank agree on what to do at the next boundary.
 
-        Each rank contributes the newest generation it has been offered; the result is read at
-        the next boundary, so all ranks switch at the same step while training never waits.
+        Each rank contributes the newest generation it has been offered and whether its
+        checkpoint timer ran out; the MAX is read at the next boundary, so all ranks switch
+        generation (or snapshot) at the same step while training never waits for the check.
         """
-        flag = torch.tensor([self.mailbox.newest_generation], dtype=torch.int64, device=self.device)
+        every_s = self.checkpoint_config.every_s
+        timer_due = every_s is not None and time.monotonic() - self._last_checkpoint >= every_s
+        flag = torch.tensor([self.mailbox.newest_generation, int(timer_due)], dtype=torch.int64, device=self.device)
         self._flag = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
 
-    def _switch_agreed(self) -> bool:
+    def _read_flag(self) -> tuple[int, bool] | None:
+        """The agreed (generation, checkpoint wanted), or None when there is nothing to read."""
         if self._flag is None:
-            return False
+            return None
         work, flag = self._flag
         self._flag = None
         try:
@@ -295,8 +336,18 @@ class TrainContext:
             if not is_peer_failure(exc):
                 raise
             self._join(reason="heal", lost=0)
-            return False
-        return int(flag.item()) > self.generation
+            return None
+        generation, checkpoint_wanted = flag.tolist()
+        return generation, bool(checkpoint_wanted)
+
+    def _checkpoint(self) -> None:
+        """Snapshot to CPU (training waits only for this copy) and write the shard in the background."""
+        started = time.perf_counter()
+        states = {name: state_of(obj) for name, obj in self._objects.items()}
+        snapshot = take_snapshot(states, {"step": self._step_index, "cursor": self._cursor.to_dict()})
+        self._writer.submit(snapshot, self.rank, self.world_size, time.perf_counter() - started,
+                            self._checkpoint_files, self._checkpoint_metadata)
+        self._last_checkpoint = time.monotonic()
 
     def _join(self, reason: str, lost: int = 0) -> None:
         """Leave the current generation and join the newest one the controller offers."""
@@ -334,12 +385,35 @@ class TrainContext:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         form_group(spec, self._store.get(spec.store_host, spec.store_port))
+        if spec.resume_from is not None and self._step_index == 0 and spec.rank == 0:
+            self._restore(spec.resume_from)
         progress = {"step": self._step_index, "cursor": self._cursor.to_dict()}
         self._last_sync, progress = sync_state(self._objects, progress, self.device)
         self._step_index = progress["step"]
         self._cursor = data_math.DataCursor(**progress["cursor"])
         if self._model is not None:
             self._model.ddp = self._wrap(self._model.module)
+
+    def _restore(self, checkpoint: Checkpoint) -> None:
+        """Load a durable checkpoint into this rank; the sync then spreads it to the others."""
+        state = checkpoint.load_state()
+        missing = sorted(set(self._objects) - set(state) - {"progress"})
+        if missing:
+            raise CheckpointError(
+                f"{checkpoint.path} holds no state for {missing} (it has {sorted(set(state) - {'progress'})}); "
+                "register the same state as the run that wrote it, or use a new run name"
+            )
+        for name, obj in self._objects.items():
+            try:
+                load_into(obj, state[name])
+            except (RuntimeError, ValueError, KeyError) as exc:
+                raise CheckpointError(
+                    f"{checkpoint.path} does not fit the registered {name!r}: {exc}. Resume with the same "
+                    "model and optimizer definition, or use a new run name"
+                ) from exc
+        self._step_index = state["progress"]["step"]
+        self._cursor = data_math.DataCursor(**state["progress"]["cursor"])
+        self.checkpoint = checkpoint
 
     def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
         ddp = DistributedDataParallel(
@@ -359,7 +433,10 @@ class TrainContext:
         if fault.rank != self.rank or fault.step != self._step_index:
             return False
         store = self._store.get(self.spec.store_host, self.spec.store_port)
-        return store.add(f"fault/{fault.spec()}", 1) == 1
+        if store.add(f"fault/{fault.spec()}", 1) != 1:
+            return False
+        self._on_fault(fault)
+        return True
 
     def close(self) -> None:
         leave_group(self.spec.backend if self.spec else "gloo")

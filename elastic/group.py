@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -48,6 +49,7 @@ class GenerationSpec:
     backend: str
     reason: str
     collective_timeout_s: float
+    resume_from: Any = None  # a Checkpoint to restore when no member has live state to share
 
     @property
     def prefix(self) -> str:

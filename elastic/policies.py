@@ -12,21 +12,26 @@ from typing import Literal, Sequence
 
 @dataclass(frozen=True)
 class FailureDecision:
-    action: Literal["HEAL", "RAISE"]
+    action: Literal["HEAL", "RESTART", "RAISE"]
     reason: str
 
 
-def decide_failure(kind: Literal["death", "app_error"], failures: int, max_failures: int) -> FailureDecision:
-    """A dead worker is healed around; an application error is tolerated only `max_failures` times.
+def decide_failure(
+    kind: Literal["death", "all_lost", "app_error"], failures: int, max_failures: int
+) -> FailureDecision:
+    """A dead worker is healed around by the survivors, at no cost. Losing every worker (a
+    restart from the latest durable checkpoint) and an application error are failures, each
+    tolerated only `max_failures` times in all.
 
-    `failures` counts application errors so far, including this one.
+    `failures` counts those failures so far, including this one.
     """
     if kind == "death":
         return FailureDecision("HEAL", "a worker died; the survivors heal in place (deaths do not count as failures)")
     if failures <= max_failures:
+        action = "RESTART" if kind == "all_lost" else "HEAL"
         return FailureDecision(
-            "HEAL",
-            f"Deciding to HEAL, since the total failure count ({failures}) <= FailureConfig(max_failures={max_failures})",
+            action,
+            f"Deciding to {action}, since the total failure count ({failures}) <= FailureConfig(max_failures={max_failures})",
         )
     return FailureDecision(
         "RAISE",

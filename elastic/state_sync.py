@@ -16,20 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.flat_state import buffer_dtype, flatten, unflatten
+
 
 @dataclass(frozen=True)
 class SyncResult:
     source_rank: int
     step: int
     steps_before: list[int]
-
-
-@dataclass(frozen=True)
-class _TensorRef:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    device: str
-    offset: int
 
 
 def sync_state(objects: dict[str, Any], progress: dict[str, Any], device: torch.device) -> tuple[SyncResult, dict[str, Any]]:
@@ -50,66 +44,32 @@ def sync_state(objects: dict[str, Any], progress: dict[str, Any], device: torch.
         return result, progress
 
     is_source = dist.get_rank() == source
-    payload = {"progress": progress, "state": {k: _state_of(v) for k, v in objects.items()}} if is_source else None
-    structure, buffers = _flatten(payload, device) if is_source else (None, {})
-    box = [structure]
+    payload = {"progress": progress, "state": {k: state_of(v) for k, v in objects.items()}} if is_source else None
+    structure, buffers = flatten(payload, device) if is_source else (None, {})
+    box = [(structure, {dtype: b.numel() for dtype, b in buffers.items()})]
     dist.broadcast_object_list(box, src=source, device=device)
-    structure = box[0]
-    for dtype, size in structure["buffer_sizes"].items():
-        buffer = buffers[dtype] if is_source else torch.empty(size, dtype=dtype, device=device)
+    structure, sizes = box[0]
+    for dtype, size in sizes.items():
+        buffer = buffers[dtype] if is_source else torch.empty(size, dtype=buffer_dtype(dtype), device=device)
         dist.broadcast(buffer, src=source)
         buffers[dtype] = buffer
     if is_source:
         return result, progress
-    received = _unflatten(structure["tree"], buffers)
+    received = unflatten(structure, buffers)
     for name, obj in objects.items():
-        _load_into(obj, received["state"][name])
+        load_into(obj, received["state"][name])
     return result, received["progress"]
 
 
-def _state_of(obj: Any) -> Any:
+def state_of(obj: Any) -> Any:
+    """The state of a registered object: a tensor itself, or its state_dict()."""
     return obj.detach() if isinstance(obj, torch.Tensor) else obj.state_dict()
 
 
-def _load_into(obj: Any, state: Any) -> None:
+def load_into(obj: Any, state: Any) -> None:
+    """Put `state` into a registered object, in place."""
     if isinstance(obj, torch.Tensor):
         with torch.no_grad():
             obj.copy_(state)
     else:
         obj.load_state_dict(state)
-
-
-def _flatten(payload: Any, device: torch.device) -> tuple[dict[str, Any], dict[torch.dtype, torch.Tensor]]:
-    pieces: dict[torch.dtype, list[torch.Tensor]] = {}
-    sizes: dict[torch.dtype, int] = {}
-
-    def walk(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            flat = value.detach().reshape(-1).to(device)
-            ref = _TensorRef(value.dtype, tuple(value.shape), str(value.device), sizes.get(value.dtype, 0))
-            pieces.setdefault(value.dtype, []).append(flat)
-            sizes[value.dtype] = ref.offset + flat.numel()
-            return ref
-        if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(walk(v) for v in value)
-        return value
-
-    tree = walk(payload)
-    buffers = {dtype: torch.cat(parts) for dtype, parts in pieces.items()}
-    return {"tree": tree, "buffer_sizes": sizes}, buffers
-
-
-def _unflatten(tree: Any, buffers: dict[torch.dtype, torch.Tensor]) -> Any:
-    if isinstance(tree, _TensorRef):
-        count = 1
-        for dim in tree.shape:
-            count *= dim
-        flat = buffers[tree.dtype][tree.offset : tree.offset + count]
-        return flat.reshape(tree.shape).to(tree.device).clone()
-    if isinstance(tree, dict):
-        return {k: _unflatten(v, buffers) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_unflatten(v, buffers) for v in tree)
-    return tree

@@ -61,6 +61,29 @@ class RunStorage:
             out.write(text.encode())
         self.fs.move(temporary, target)
 
+    def write_bytes(self, relative: str, data: bytes) -> None:
+        if "/" in relative:
+            self.fs.create_dir(self.path(relative.rsplit("/", 1)[0]), recursive=True)
+        with self.fs.open_output_stream(self.path(relative)) as out:
+            out.write(data)
+
+    def read_bytes(self, relative: str) -> bytes:
+        with self.fs.open_input_stream(self.path(relative)) as stream:
+            return stream.read()
+
+    def list_dirs(self, relative: str) -> list[str]:
+        """Names of the folders directly under `relative`; empty when it does not exist."""
+        selector = pafs.FileSelector(self.path(relative), allow_not_found=True)
+        return sorted(i.base_name for i in self.fs.get_file_info(selector) if i.type == pafs.FileType.Directory)
+
+    def size(self, relative: str) -> int | None:
+        """Size in bytes, or None when the file does not exist."""
+        info = self.fs.get_file_info(self.path(relative))
+        return info.size if info.type == pafs.FileType.File else None
+
+    def delete_dir(self, relative: str) -> None:
+        self.fs.delete_dir(self.path(relative))
+
     def read_text(self, relative: str) -> str:
         try:
             with self.fs.open_input_stream(self.path(relative)) as stream:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import ray
 
+from elastic.checkpoint import Checkpoint
 from elastic.config import DataConfig, RunConfig, ScalingConfig, check_fits
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
 from elastic.events import read_events
@@ -39,6 +40,7 @@ class Result:
     goodput: float
     value: Any
     path: str
+    checkpoint: Checkpoint | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def events_of(self, type: str) -> list[dict[str, Any]]:
@@ -55,6 +57,7 @@ class ElasticTrainer:
         data_config: DataConfig,
         train_loop_config: dict[str, Any] | None = None,
         faults: list[Fault] | None = None,
+        resume_from: str | Checkpoint | None = None,
         address: str | None = None,
         show_progress: bool = True,
     ) -> None:
@@ -68,6 +71,7 @@ class ElasticTrainer:
                 f"train_loop cannot be pickled ({type(exc).__name__}: {exc}); define it at module level "
                 "and keep unpicklable objects (locks, open files, sockets) out of its closure"
             ) from exc
+        self.resume_from = resume_from
         self.train_loop = train_loop
         self.train_loop_config = dict(train_loop_config or {})
         self.scaling_config = scaling_config
@@ -77,8 +81,11 @@ class ElasticTrainer:
         self.show_progress = show_progress
 
     def fit(self) -> Result:
-        storage = RunStorage(self.run_config.storage_path, self.run_config.name)
+        storage = RunStorage(self.run_config.storage_path, self.run_config.name, self.run_config.storage_filesystem)
         storage.check_writable()
+        resume_from = self.resume_from
+        if isinstance(resume_from, str):
+            resume_from = Checkpoint.from_path(resume_from, self.run_config.storage_filesystem)
         if not ray.is_initialized():
             ray.init(address=self.address)
         self._check_cluster_can_host_min_workers()
@@ -86,10 +93,13 @@ class ElasticTrainer:
         from actors.controller import Controller, RunSpec
 
         spec = RunSpec(self.train_loop, self.train_loop_config, self.scaling_config, self.run_config,
-                       self.data_config, self.faults)
+                       self.data_config, self.faults, resume_from)
         # The head node lives as long as the cluster does; worker nodes may be preempted.
         controller = Controller.options(
             resources={HEAD_NODE_RESOURCE: 0.001},
+            # If the controller dies, Ray restarts it and re-runs `run`, which resumes from storage.
+            max_restarts=-1,
+            max_task_retries=-1,
             name=f"elastic-controller-{self.run_config.name}",
             get_if_exists=False,
         ).remote(spec)
@@ -98,7 +108,10 @@ class ElasticTrainer:
         try:
             while not ray.wait([run_ref], timeout=STATUS_POLL_S)[0]:
                 if line:
-                    line.show(ray.get(controller.status.remote()))
+                    status_ref = controller.status.remote()
+                    # While Ray restarts a dead controller, status waits; the line just pauses.
+                    if ray.wait([status_ref, run_ref], timeout=STATUS_POLL_S * 4)[0] == [status_ref]:
+                        line.show(ray.get(status_ref))
         finally:
             if line:
                 line.close()
@@ -114,7 +127,8 @@ class ElasticTrainer:
                 rank=failure.get("rank"),
                 traceback=failure.get("traceback", ""),
             )
-        return Result(outcome["metrics"], outcome["step"], outcome["goodput"], outcome["value"], storage.uri, events)
+        return Result(outcome["metrics"], outcome["step"], outcome["goodput"], outcome["value"], storage.uri,
+                      outcome["checkpoint"], events)
 
     def _check_cluster_can_host_min_workers(self) -> None:
         """Fail before starting anything when the cluster could never host min_workers."""
