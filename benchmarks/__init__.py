@@ -1,0 +1,1 @@
+"""Benchmarks of elastic against plain torch DDP and Ray Train; see benchmarks/bench.py."""

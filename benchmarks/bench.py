@@ -1,0 +1,317 @@
+"""Plain torch DDP, Ray Train and elastic side by side on one fixed workload, in one command.
+
+    .venv/bin/python -m benchmarks.bench            # full run, under ~10 minutes
+    .venv/bin/python -m benchmarks.bench --quick    # fewer steps, under ~2 minutes
+    .venv/bin/python -m benchmarks.bench --out /tmp/bench.json
+
+Run it from the repository root. The workload (benchmarks/workload.py) is an MLP
+256-1024-1024-10 trained with SGD by 2 CPU workers over gloo, 64 samples per worker per step,
+one torch thread per worker process. Measured:
+
+- median step time without reporting, for all three systems, and with a metrics report every
+  step for Ray Train (`ray.train.report`) and elastic (`elastic.report`);
+- recovery: rank 1 dies at the start of a step; the time from its death to the next completed
+  step, and how many steps were lost.
+
+Each system runs in its own subprocess (and Ray session) per round, so a hang or a crash in
+one cannot skew the next. The systems take turns for `--rounds` rounds and each figure is
+the median of its round medians, so a burst of load on the machine hits every system alike;
+the recovery runs happen in the first round. The JSON lands in benchmarks/results/bench.json
+unless --out says otherwise; a short table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import ray
+import torch
+from ray.train.v2._internal.constants import (
+    DEFAULT_HEALTH_CHECK_INTERVAL_S,
+    HEALTH_CHECK_INTERVAL_S_ENV_VAR,
+    is_v2_enabled,
+)
+
+from benchmarks import elastic_run, ray_train, torch_ddp, workload
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results", "bench.json")
+SYSTEMS = ("torch_ddp", "ray_train", "elastic")
+STEADY_RUNS = ("torch_ddp", "ray_train", "ray_train_report", "elastic", "elastic_report")
+LOG_TAIL_LINES = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    steps: int
+    """Steps of each steady run, and of elastic's reporting run."""
+    ray_report_steps: int
+    """Steps of Ray Train's reporting run: each reporting step waits for a poll (~2 s), so fewer."""
+    rounds: int
+    recovery_steps: int
+    kill_step: int
+    ray_checkpoint_every: int
+    timeout_s: float
+    """Limit on one system's subprocess in one round."""
+
+
+# Ray Train checkpoints every 10 steps: each checkpoint is a report, and reports wait for the
+# controller's poll, so checkpointing every step would make every step last ~2 s. The kill
+# lands mid-way between two checkpoints, where a crash falls on average.
+FULL = Plan(steps=400, ray_report_steps=50, rounds=2, recovery_steps=80, kill_step=65, ray_checkpoint_every=10,
+            timeout_s=420.0)
+QUICK = Plan(steps=80, ray_report_steps=26, rounds=1, recovery_steps=30, kill_step=25, ray_checkpoint_every=10,
+             timeout_s=240.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.measure:
+        _measure_in_this_process(args.measure, json.loads(args.params), args.result)
+        return 0
+    plan = QUICK if args.quick else FULL
+    if args.steps:
+        plan = dataclasses.replace(plan, steps=args.steps)
+    if args.rounds:
+        plan = dataclasses.replace(plan, rounds=args.rounds)
+    log_dir = tempfile.mkdtemp(prefix="bench-logs-")
+    started = time.time()
+    errors: dict[str, str] = {}
+    rounds: dict[str, list[float]] = {name: [] for name in STEADY_RUNS}
+    counts: dict[str, list[int]] = {name: [] for name in STEADY_RUNS}
+    recoveries: dict[str, dict[str, Any]] = {}
+    walls: dict[str, dict[str, float]] = {}
+    for round_index in range(plan.rounds):
+        for system in SYSTEMS:
+            label = f"{system}-round{round_index}"
+            params = {**plan.__dict__, "recover": round_index == 0}
+            outcome = _measure_in_subprocess(label, system, params, plan.timeout_s, log_dir)
+            if "error" in outcome:
+                errors[label] = outcome["error"]
+                continue
+            for run in ("steady", "report"):
+                if run not in outcome:
+                    continue
+                name = system if run == "steady" else f"{system}_report"
+                gaps = workload.steady_gaps(outcome[run])
+                if not gaps:
+                    errors[f"{label}-{run}"] = (f"no steady steps among {len(outcome[run])} at world size "
+                                                f"{workload.WORLD_SIZE} past the warm-up; run more steps")
+                    continue
+                rounds[name].append(statistics.median(gaps))
+                counts[name].append(len(gaps))
+            if "recovery" in outcome:
+                recoveries[system] = outcome["recovery"]
+            if "wall_s" in outcome:
+                walls[label] = outcome["wall_s"]
+    report = _summarise(args, plan, rounds, counts, recoveries, errors, walls, time.time() - started)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    _print_table(report)
+    print(f"\nwrote {args.out}")
+    if errors:
+        print(f"{len(errors)} measurement(s) failed: {', '.join(errors)}; logs in {log_dir}", file=sys.stderr)
+        return 1
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and one round; under ~2 minutes")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="where to write the JSON (default: %(default)s)")
+    parser.add_argument("--steps", type=int, help="steps of each steady run (overrides the preset)")
+    parser.add_argument("--rounds", type=int, help="round-robin rounds of the steady runs (overrides the preset)")
+    # Internal: the parent re-runs this module with these to make one measurement in a fresh process.
+    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    parser.add_argument("--params", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def _measure_in_subprocess(label: str, name: str, params: dict[str, Any], timeout_s: float,
+                           log_dir: str) -> dict[str, Any]:
+    """Run one measurement in a fresh interpreter; its result, or {"error": ...} if it failed."""
+    result_path = os.path.join(log_dir, f"{label}.json")
+    log_path = os.path.join(log_dir, f"{label}.log")
+    env = dict(os.environ)
+    # Ray's worker processes inherit the environment, so they can import `benchmarks` too.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    command = [sys.executable, "-m", "benchmarks.bench", "--measure", name, "--params", json.dumps(params),
+               "--result", result_path]
+    print(f"[bench] {label} ...", end="", flush=True)
+    began = time.time()
+    with open(log_path, "w") as log:
+        try:
+            code = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    took = time.time() - began
+    if code == 0 and os.path.exists(result_path):
+        print(f" {took:.0f} s", flush=True)
+        with open(result_path) as f:
+            return json.load(f)
+    why = f"timed out after {timeout_s:.0f} s" if code is None else f"exited with code {code}"
+    with open(log_path) as f:
+        tail = "".join(f.readlines()[-LOG_TAIL_LINES:])
+    print(f" FAILED ({why}); last lines of {log_path}:\n{tail}", flush=True)
+    return {"error": f"{why}; log: {log_path}"}
+
+
+def _measure_in_this_process(system: str, params: dict[str, Any], result_path: str) -> None:
+    torch.set_num_threads(1)
+    if system == "torch_ddp":
+        result = {"steady": torch_ddp.steady(params["steps"])}
+    else:
+        result = _measure_on_ray(system, params)
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+
+
+def _measure_on_ray(system: str, params: dict[str, Any]) -> dict[str, Any]:
+    """One system's steady, reporting and (if asked) recovery runs, in one Ray session."""
+    if system == "ray_train":
+        runs = {
+            "steady": lambda: ray_train.steady(params["steps"], report=False, storage=storage),
+            "report": lambda: ray_train.steady(params["ray_report_steps"], report=True, storage=storage),
+            "recovery": lambda: ray_train.recovery(params["recovery_steps"], params["kill_step"],
+                                                   params["ray_checkpoint_every"], storage),
+        }
+    elif system == "elastic":
+        runs = {
+            "steady": lambda: elastic_run.steady(params["steps"], report=False, storage=storage),
+            "report": lambda: elastic_run.steady(params["steps"], report=True, storage=storage),
+            "recovery": lambda: elastic_run.recovery(params["recovery_steps"], params["kill_step"], storage),
+        }
+    else:
+        raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+    if not params["recover"]:
+        del runs["recovery"]
+    storage = tempfile.mkdtemp(prefix=f"bench-{system}-")
+    began = time.time()
+    ray.init()
+    result: dict[str, Any] = {"wall_s": {"ray_init": time.time() - began}}
+    try:
+        for name, run in runs.items():
+            began = time.time()
+            result[name] = run()
+            result["wall_s"][name] = time.time() - began
+        return result
+    finally:
+        ray.shutdown()
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+def _summarise(args: argparse.Namespace, plan: Plan, rounds: dict[str, list[float]], counts: dict[str, list[int]],
+               recoveries: dict[str, dict[str, Any]], errors: dict[str, str], walls: dict[str, dict[str, float]],
+               wall_s: float) -> dict[str, Any]:
+    median = {name: statistics.median(values) if values else None for name, values in rounds.items()}
+    elastic_recovery = recoveries.get("elastic", {})
+    ray_recovery = recoveries.get("ray_train", {})
+    return {
+        "steady_step_ratio_vs_torch": _ratio(median["elastic"], median["torch_ddp"]),
+        "report_every_step_ratio": _ratio(median["elastic_report"], median["elastic"]),
+        "recovery_s": elastic_recovery.get("recovery_s"),
+        "steps_lost": elastic_recovery.get("steps_lost"),
+        "ray_train_steady_step_ratio_vs_torch": _ratio(median["ray_train"], median["torch_ddp"]),
+        "ray_train_report_every_step_ratio": _ratio(median["ray_train_report"], median["ray_train"]),
+        "ray_train_recovery_s": ray_recovery.get("recovery_s"),
+        "ray_train_steps_lost": ray_recovery.get("steps_lost"),
+        "median_step_s": median,
+        "round_median_step_s": rounds,
+        "round_steady_steps": counts,
+        "recovery": {"elastic": elastic_recovery, "ray_train": ray_recovery},
+        "definitions": {
+            "median_step_s": f"median gap between rank 0's consecutive step completions at world size "
+                             f"{workload.WORLD_SIZE}, after {workload.WARMUP_STEPS} warm-up steps; median over rounds",
+            "recovery_s": "from the completion of the step before the kill to the first step completed after the "
+                          "heal (elastic) or restart (Ray Train), on rank 0",
+            "steps_lost": "elastic: steps_lost of the controller's recovery event (the step in flight when the peer "
+                          "died counts); Ray Train: completed steps rolled back to the last checkpoint",
+            "ray_train_report_every_step_ratio": "a Ray Train worker hands its reports to the controller through a "
+                                                 "queue of one, emptied once per poll of the workers, so reporting "
+                                                 "every step paces the steps to the poll interval",
+        },
+        "ray_train": {
+            "v2": is_v2_enabled(),
+            "poll_interval_s": float(os.environ.get(HEALTH_CHECK_INTERVAL_S_ENV_VAR, DEFAULT_HEALTH_CHECK_INTERVAL_S)),
+        },
+        "workload": {
+            "model": f"MLP {workload.IN_FEATURES}-{workload.HIDDEN}-{workload.HIDDEN}-{workload.CLASSES} ReLU",
+            "optimizer": f"SGD lr={workload.LR}",
+            "world_size": workload.WORLD_SIZE,
+            "global_batch_size": workload.GLOBAL_BATCH,
+            "per_worker_batch": workload.GLOBAL_BATCH // workload.WORLD_SIZE,
+            "num_samples": workload.NUM_SAMPLES,
+            "backend": "gloo",
+            "torch_threads_per_worker": 1,
+        },
+        "plan": {**plan.__dict__, "quick": args.quick},
+        "errors": errors,
+        "command": shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", "benchmarks.bench", *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": wall_s,
+        "phase_wall_s": walls,
+        "versions": {"torch": torch.__version__, "ray": ray.__version__, "python": platform.python_version()},
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "git_commit": _git_commit(),
+    }
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    median = report["median_step_s"]
+    recovery = report["recovery"]
+    rows = [
+        ("torch DDP (gloo)", median["torch_ddp"], 1.0 if median["torch_ddp"] else None, None, None, None),
+        ("Ray Train", median["ray_train"], report["ray_train_steady_step_ratio_vs_torch"],
+         report["ray_train_report_every_step_ratio"], recovery["ray_train"].get("recovery_s"),
+         recovery["ray_train"].get("steps_lost")),
+        ("elastic", median["elastic"], report["steady_step_ratio_vs_torch"], report["report_every_step_ratio"],
+         recovery["elastic"].get("recovery_s"), recovery["elastic"].get("steps_lost")),
+    ]
+    header = f"{'system':<18}{'step ms':>9}{'vs torch':>10}{'report x':>10}{'recovery s':>12}{'steps lost':>12}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for name, step_s, vs_torch, report_x, recovery_s, lost in rows:
+        print(f"{name:<18}{_fmt(step_s, 1000, '.2f'):>9}{_fmt(vs_torch, 1, '.3f'):>10}{_fmt(report_x, 1, '.3f'):>10}"
+              f"{_fmt(recovery_s, 1, '.2f'):>12}{_fmt(lost, 1, 'd'):>12}")
+
+
+def _fmt(value: float | int | None, scale: float, spec: str) -> str:
+    if value is None:
+        return "-"
+    return format(int(value) if spec == "d" else value * scale, spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
