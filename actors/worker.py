@@ -76,7 +76,8 @@ class Worker:
                 "traceback": traceback.format_exc(),
             }
         finally:
-            self._flush()
+            # Waits, so the controller has every report before it sees the outcome.
+            self._flush(wait=True)
             _set_current(None)
 
     @ray.method(concurrency_group="control")
@@ -110,12 +111,14 @@ class Worker:
         while not self._stop.wait(REPORT_FLUSH_INTERVAL_S):
             self._flush()
 
-    def _flush(self) -> None:
+    def _flush(self, wait: bool = False) -> None:
         items = []
         while self._reports:
             items.append(self._reports.popleft())
         if items:
-            self._controller.ingest.remote(self.worker_id, items)
+            sent = self._controller.ingest.remote(self.worker_id, items)
+            if wait:
+                ray.get(sent)
 
 
 def _picklable(value: Any) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -232,10 +233,11 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
 
     def submit(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
-               user_files: dict[str, bytes], metadata: dict[str, Any]) -> None:
+               user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool = False) -> None:
         self.wait()
         self._thread = threading.Thread(
-            target=self._write, args=(snapshot, rank, world_size, stall_s, dict(user_files), dict(metadata)),
+            target=self._write,
+            args=(snapshot, rank, world_size, stall_s, dict(user_files), dict(metadata), crash_midway),
             daemon=True, name="elastic-checkpoint",
         )
         self._thread.start()
@@ -246,7 +248,7 @@ class CheckpointWriter:
             self._thread = None
 
     def _write(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
-               user_files: dict[str, bytes], metadata: dict[str, Any]) -> None:
+               user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool) -> None:
         started = time.perf_counter()
         folder = checkpoint_storage(self.run, snapshot.step)
         report: dict[str, Any] = {"step": snapshot.step, "rank": rank, "world_size": world_size,
@@ -258,9 +260,19 @@ class CheckpointWriter:
                 files.update({f"{USER_FILES}/{name}": data for name, data in user_files.items()})
                 report["metadata"] = metadata
             for name, data in files.items():
+                if crash_midway:
+                    _crash_while_writing(folder, name, data)
                 folder.write_bytes(name, data)
                 report["files"].append({"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
         except Exception as exc:  # any storage error: the checkpoint stays incomplete, training goes on
             report["error"] = f"{type(exc).__name__}: {exc}"
         report["upload_s"] = time.perf_counter() - started
         self.on_written(report)
+
+
+def _crash_while_writing(folder: RunStorage, name: str, data: bytes) -> None:
+    """Injected fault: half the shard reaches storage, then the process dies like a crash."""
+    with folder.fs.open_output_stream(folder.path(name)) as out:
+        out.write(data[: len(data) // 2])
+        out.flush()
+        os._exit(1)

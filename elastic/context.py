@@ -345,8 +345,9 @@ class TrainContext:
         started = time.perf_counter()
         states = {name: state_of(obj) for name, obj in self._objects.items()}
         snapshot = take_snapshot(states, {"step": self._step_index, "cursor": self._cursor.to_dict()})
+        crash = any(f.where == "checkpoint" and self._due(f) for f in self.faults)
         self._writer.submit(snapshot, self.rank, self.world_size, time.perf_counter() - started,
-                            self._checkpoint_files, self._checkpoint_metadata)
+                            self._checkpoint_files, self._checkpoint_metadata, crash_midway=crash)
         self._last_checkpoint = time.monotonic()
 
     def _join(self, reason: str, lost: int = 0) -> None:

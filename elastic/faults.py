@@ -10,7 +10,8 @@ or as a spec string, as in `elastic demo --inject kill:rank=1,step=20`.
 Kinds:
 - `kill`: the rank's process dies (`os._exit`) when it reaches step `step`. With
   `where="allreduce"` it dies inside its gradient all-reduce of that step instead, after its
-  peers have entered it.
+  peers have entered it; with `where="checkpoint"` it dies halfway through writing its shard
+  of the checkpoint of step `step`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ class Fault(BaseModel):
     kind: Literal["kill"] = Field(..., description="What happens: kill = the rank's process dies.")
     rank: int = Field(..., ge=0, description="Rank (in the generation current at that step) that fails.")
     step: int = Field(..., ge=0, description="Global step (0-based) at which the fault fires.")
-    where: Literal["step_start", "allreduce"] = Field(
-        "step_start", description="step_start: before the step's forward; allreduce: inside its gradient all-reduce."
+    where: Literal["step_start", "allreduce", "checkpoint"] = Field(
+        "step_start",
+        description="step_start: before the step's forward; allreduce: inside its gradient all-reduce; "
+        "checkpoint: halfway through writing its shard of the checkpoint of that step.",
     )
 
     def spec(self) -> str:

@@ -122,24 +122,26 @@ def run_demo(config: DemoConfig, show_progress: bool = True) -> dict[str, Any]:
         ray.init(address="local", num_cpus=max(config.max_workers, 2), include_dashboard=False)
     started = time.time()
     result = trainer.fit()
-    return summarize(result, config, wall_s=time.time() - started)
+    return summarize(result, config, started)
 
 
-def summarize(result: elastic.Result, config: DemoConfig, wall_s: float) -> dict[str, Any]:
-    """The run condensed from its events: world sizes over time, recoveries, goodput, loss."""
-    losses = [(e["step"], e["metrics"]["loss"]) for e in events_of(result.events, "metrics") if "loss" in e["metrics"]]
+def summarize(result: elastic.Result, config: DemoConfig, started: float) -> dict[str, Any]:
+    """The run that began at `started` condensed from its events: world sizes, recoveries, goodput, loss."""
+    # A run folder's journal also holds earlier runs under the same name; keep only this one's.
+    events = [e for e in result.events if e["time"] >= started]
+    losses = [(e["step"], e["metrics"]["loss"]) for e in events_of(events, "metrics") if "loss" in e["metrics"]]
     return {
         "name": config.name,
         "storage_path": config.storage_path,
         "events": f"{result.path}/events.jsonl",
         "steps": result.step,
         "samples": result.step * config.global_batch_size,
-        "wall_s": wall_s,
+        "wall_s": time.time() - started,
         "world_size_history": [
             {"time": e["time"], "world_size": e["world_size"], "generation": e["generation"], "reason": e["reason"]}
-            for e in events_of(result.events, "generation_formed")
+            for e in events_of(events, "generation_formed")
         ],
-        "recoveries": [{"seconds": e["seconds"], "steps_lost": e["steps_lost"]} for e in events_of(result.events, "recovery")],
+        "recoveries": [{"seconds": e["seconds"], "steps_lost": e["steps_lost"]} for e in events_of(events, "recovery")],
         "goodput": result.goodput,
         "first_loss": losses[0][1] if losses else None,
         "final_loss": result.metrics.get("loss"),

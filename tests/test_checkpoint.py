@@ -1,0 +1,162 @@
+"""The checkpoint format on a local pyarrow filesystem: sharded writes, manifest last, damage.
+
+No Ray: two "ranks" write their shards of one snapshot through CheckpointWriter, and the
+test plays the controller by writing the manifest once both have reported.
+"""
+
+import io
+import pickle
+
+import pytest
+import torch
+
+from elastic.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointWriter,
+    checkpoint_storage,
+    latest_complete,
+    shard_name,
+    step_dir,
+    steps_to_delete,
+    take_snapshot,
+    write_manifest,
+)
+from elastic.state_sync import state_of
+from elastic.storage import RunStorage
+
+
+def _model_and_optimizer(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 2))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 5)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _save(run, step, world_size=2, files=None, metadata=None):
+    model, optimizer = _model_and_optimizer(step)
+    states = {"model": state_of(model), "optimizer": state_of(optimizer)}
+    snapshot = take_snapshot(states, {"step": step, "cursor": {"epoch": 1, "consumed": 8 * step, "seed": 0}})
+    reports = []
+    writer = CheckpointWriter(run, on_written=reports.append)
+    for rank in range(world_size):
+        writer.submit(snapshot, rank, world_size, 0.0, files or {}, metadata or {})
+        writer.wait()
+    assert all("error" not in r for r in reports)
+    write_manifest(run, snapshot.progress, world_size, [f for r in reports for f in r["files"]], metadata or {})
+    return model, optimizer
+
+
+@pytest.fixture
+def run(tmp_path):
+    return RunStorage(str(tmp_path), "run")
+
+
+def test_a_saved_checkpoint_loads_back_to_the_same_model_optimizer_and_cursor(run):
+    model, optimizer = _save(run, 10, world_size=3)
+    checkpoint = Checkpoint.from_path(f"{run.root}/{step_dir(10)}")
+    assert (checkpoint.step, checkpoint.world_size, checkpoint.cursor["consumed"]) == (10, 3, 80)
+    state = checkpoint.load_state()
+    fresh, fresh_optimizer = _model_and_optimizer(seed=99)
+    fresh.load_state_dict(state["model"])
+    fresh_optimizer.load_state_dict(state["optimizer"])
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert state["progress"]["step"] == 10
+
+
+def test_the_manifest_lists_every_file_with_size_and_sha256(run):
+    _save(run, 4, world_size=2, files={"vocab.txt": b"abc"})
+    manifest = Checkpoint.from_path(f"{run.root}/{step_dir(4)}").manifest
+    names = [f["name"] for f in manifest["files"]]
+    assert names == [shard_name(0, 2), shard_name(1, 2), "user/vocab.txt"]
+    assert all(len(f["sha256"]) == 64 and f["size"] > 0 for f in manifest["files"])
+    assert manifest["format_version"] == 1 and manifest["world_size"] == 2
+
+
+def test_user_files_and_metadata_come_back(run):
+    _save(run, 4, files={"notes.json": b'{"a": 1}'}, metadata={"tokenizer": "bytes"})
+    checkpoint = Checkpoint.from_path(f"{run.root}/{step_dir(4)}")
+    assert checkpoint.read_file("notes.json") == b'{"a": 1}'
+    assert checkpoint.metadata == {"tokenizer": "bytes"}
+
+
+def _corrupt_truncate(run, step):
+    path = run.path(f"{step_dir(step)}/{shard_name(1, 2)}")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+def _corrupt_flip(run, step):
+    path = run.path(f"{step_dir(step)}/{shard_name(0, 2)}")
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def _corrupt_no_manifest(run, step):
+    run.fs.delete_file(run.path(f"{step_dir(step)}/manifest.json"))
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [(_corrupt_truncate, "is truncated"), (_corrupt_flip, "wrong checksum"), (_corrupt_no_manifest, "never completed")],
+)
+def test_a_damaged_checkpoint_is_skipped_with_its_reason_and_the_one_before_is_used(run, damage, reason):
+    _save(run, 8)
+    _save(run, 16)
+    damage(run, 16)
+    skipped = []
+    checkpoint = latest_complete(run, lambda step, why: skipped.append((step, why)))
+    assert checkpoint.step == 8
+    assert len(skipped) == 1 and skipped[0][0] == 16 and reason in skipped[0][1]
+
+
+def test_a_checkpoint_cannot_run_code_when_loaded(run, tmp_path):
+    _save(run, 2, world_size=1)
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    folder = checkpoint_storage(run, 2)
+    payload = io.BytesIO()
+    torch.save({"chunks": {}, "structure": Exploit()}, payload, pickle_module=pickle)
+    data = payload.getvalue()
+    folder.write_bytes(shard_name(0, 1), data)
+    manifest_files = [{"name": shard_name(0, 1), "size": len(data), "sha256": __import__("hashlib").sha256(data).hexdigest()}]
+    write_manifest(run, {"step": 2, "cursor": {"epoch": 0, "consumed": 0, "seed": 0}}, 1, manifest_files, {})
+    with pytest.raises(pickle.UnpicklingError):
+        Checkpoint.from_path(folder.root).load_state()
+    assert not marker.exists()
+
+
+def test_an_incompatible_format_version_names_the_mismatch(run):
+    _save(run, 3)
+    path = run.path(f"{step_dir(3)}/manifest.json")
+    text = open(path).read().replace('"format_version": 1', '"format_version": 99')
+    open(path, "w").write(text)
+    with pytest.raises(CheckpointError, match="format_version 99, this elastic reads 1"):
+        Checkpoint.from_path(run.path(step_dir(3)))
+
+
+def test_retention_keeps_the_last_k_complete_and_never_the_only_complete_one():
+    assert steps_to_delete([8, 16, 24, 32], complete=[8, 16, 24, 32], keep_last=2) == [8, 16]
+    assert steps_to_delete([8, 16], complete=[8], keep_last=1) == []
+    assert steps_to_delete([8, 16, 24], complete=[16], keep_last=1) == [8]
+    assert steps_to_delete([8, 16], complete=[], keep_last=1) == []
+
+
+def test_a_storage_error_leaves_the_checkpoint_incomplete_and_is_reported(tmp_path):
+    blocker = tmp_path / "blocked"
+    blocker.write_text("a file where the run folder should be")
+    reports = []
+    writer = CheckpointWriter(RunStorage(str(blocker), "run"), on_written=reports.append)
+    snapshot = take_snapshot({"t": torch.ones(3)}, {"step": 1, "cursor": {}})
+    writer.submit(snapshot, 0, 1, 0.0, {}, {})
+    writer.wait()
+    assert "error" in reports[0]
