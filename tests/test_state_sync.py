@@ -56,16 +56,16 @@ def test_the_most_advanced_rank_broadcasts_model_optimizer_and_progress(steps, s
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_state_travels_as_flat_buffers_and_each_tensor_returns_to_its_device():
-    from elastic.state_sync import _flatten, _unflatten
+    from elastic.flat_state import flatten, unflatten
 
     model = torch.nn.Linear(4, 3).cuda()
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 4, device="cuda")).sum().backward()
     optimizer.step()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    structure, buffers = _flatten(state, torch.device("cuda"))
+    structure, buffers = flatten(state, torch.device("cuda"))
     assert all(b.is_cuda for b in buffers.values())
-    back = _unflatten(structure["tree"], buffers)
+    back = unflatten(structure, buffers)
     for name, tensor in state["model"].items():
         assert torch.equal(back["model"][name], tensor)
     for index, slots in state["optimizer"]["state"].items():
