@@ -57,11 +57,13 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
         f"'{NO_FAULTS}' injects nothing. Default: kill rank 1 a quarter into the run",
     )
     demo.add_argument("--storage-path", default=defaults.storage_path, help="where run folders go (default: %(default)s)")
-    demo.add_argument("--name", default=defaults.name, help="run name (default: %(default)s)")
+    demo.add_argument("--name", default=defaults.name,
+                      help="run name; an earlier run of this name is replaced (default: %(default)s)")
     demo.add_argument("--data-dir", default=None, help="corpus folder (default: ~/.cache/elastic/corpus-stdlib-<seq_len>)")
     demo.add_argument("--summary-json", metavar="PATH", help="also write the run summary as JSON to PATH")
-    demo.add_argument("--address", default=None, help="Ray address; 'auto' joins a cluster started here with `ray start` (default: RAY_ADDRESS, else a new "
-        "local Ray)")
+    demo.add_argument("--address", default=None,
+                      help="Ray address; 'auto' joins a cluster started here with `ray start` "
+                      "(default: RAY_ADDRESS, else a new local Ray)")
     demo.set_defaults(handler=functools.partial(_run_demo, demo))
 
 

@@ -23,8 +23,9 @@ import elastic
 from elastic.config import DataConfig, RunConfig, ScalingConfig, check_fits
 from elastic.demo.corpus import DEFAULT_MAX_BYTES, DEFAULT_SEQ_LEN, VOCAB_SIZE, prepare_corpus
 from elastic.demo.model import ModelConfig, TinyLM
-from elastic.events import events_of
+from elastic.events import EventJournal, events_of
 from elastic.faults import Fault, check_faults
+from elastic.storage import RunStorage
 
 # The demo's kill fires a quarter into the run: late enough that training is visibly under
 # way, early enough that the replacement worker has time to start and the run grows back.
@@ -36,7 +37,8 @@ class DemoConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field("demo", description="Run name; its events go to {storage_path}/{name}/events.jsonl.")
+    name: str = Field("demo", description="Run name; its events go to {storage_path}/{name}/events.jsonl, "
+                      "replacing an earlier run's.")
     storage_path: str = Field("./runs", description="Local path or URI that holds the run folder.")
     address: str | None = Field(None, description="Ray address to connect to; None starts a local Ray.")
     min_workers: int = Field(2, gt=0, description="Fewest workers training continues with.")
@@ -115,6 +117,12 @@ def run_demo(config: DemoConfig, show_progress: bool = True) -> dict[str, Any]:
         address=config.address,
         show_progress=show_progress,
     )
+    storage = RunStorage(config.storage_path, config.name)
+    if storage.size(EventJournal.FILE) is not None:
+        # elastic continues a run folder's journal as the same run, and a fault recorded there
+        # counts as fired; each demo is meant to be a fresh run, so the earlier one goes.
+        storage.fs.delete_dir(storage.root)
+        print(f"elastic demo: removed the earlier run in {storage.uri} to start afresh; pass --name to keep runs apart")
     if not (config.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
         # address="local": a new instance even when a `ray start` cluster runs here (join that
         # one with address="auto"). Logical CPUs: each worker asks for 1, so 2 cores host 3
@@ -126,9 +134,8 @@ def run_demo(config: DemoConfig, show_progress: bool = True) -> dict[str, Any]:
 
 
 def summarize(result: elastic.Result, config: DemoConfig, started: float) -> dict[str, Any]:
-    """The run that began at `started` condensed from its events: world sizes, recoveries, goodput, loss."""
-    # A run folder's journal also holds earlier runs under the same name; keep only this one's.
-    events = [e for e in result.events if e["time"] >= started]
+    """The run condensed from its events: world sizes over time, recoveries, goodput, loss."""
+    events = result.events
     losses = [(e["step"], e["metrics"]["loss"]) for e in events_of(events, "metrics") if "loss" in e["metrics"]]
     return {
         "name": config.name,
