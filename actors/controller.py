@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,12 +34,14 @@ from elastic.checkpoint import (
 )
 from elastic.events import EventJournal, read_events
 from elastic.faults import Fault
-from elastic.group import GenerationSpec
+from elastic.group import FORMATION_TIMEOUT_S, GenerationSpec
 from elastic.progress import ProgressTracker
 from elastic.storage import RunStorage
 
 READY_POLL_S = 3600.0
-FORM_TIMEOUT_S = 60.0
+# Longer than a worker's own formation timeout, so its failure report arrives first.
+FORM_TIMEOUT_S = 2 * FORMATION_TIMEOUT_S
+MAX_FAILED_FORMATIONS = 5
 PING_TIMEOUT_S = 2.0
 TICK_S = 0.5
 FINISH_GRACE_S = 5.0
@@ -66,6 +69,7 @@ class RunSpec:
     data: DataConfig
     faults: list[Fault] = field(default_factory=list)
     resume_from: Checkpoint | None = None
+    attempt: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 @ray.remote(num_cpus=0)
@@ -76,9 +80,12 @@ class Controller:
         # A resumed run, or this controller restarted by Ray, continues the run's journal.
         self.journal = EventJournal(self.storage, read_events(self.storage))
         self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+        # Ray re-runs __init__ when it restarts a dead controller; the journal tells it apart
+        # from a new fit() of the same run, which starts its own attempt.
+        self.restarted = any(e["type"] == "run_started" and e.get("attempt") == spec.attempt for e in self.journal.events)
         for event in self.journal.events:
-            if event["type"] == "fault_injected":
-                self.store.add(f"fault/{event['fault']}", 1)  # a fault fires once per run, across restarts
+            if event["type"] == "fault_injected" and event.get("attempt") == spec.attempt:
+                self.store.add(f"fault/{event['fault']}", 1)  # a fault fires once per attempt, across restarts
         self.store_host = ray.util.get_node_ip_address()
         self.state: states.ControllerState = states.Starting()
         self.workers: dict[int, WorkerRecord] = {}
@@ -87,6 +94,7 @@ class Controller:
         self.world_size = 0
         self.generation_broken = False
         self.failures = 0
+        self.failed_formations = 0
         self.latest_checkpoint: Checkpoint | None = None
         self.shards: dict[tuple[int, int], list[dict[str, Any]]] = {}
         self.failure_time: float | None = None
@@ -100,9 +108,10 @@ class Controller:
 
     # --- called by the driver ----------------------------------------------------------
     async def run(self) -> dict[str, Any]:
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        if self.restarted:
             self.journal.emit("controller_restarted", reason="the controller actor died and Ray restarted it")
-        self.journal.emit("run_started", name=self.spec.run.name, scaling=self.spec.scaling.model_dump(),
+        self.journal.emit("run_started", name=self.spec.run.name, attempt=self.spec.attempt,
+                          scaling=self.spec.scaling.model_dump(),
                           data=self.spec.data.model_dump(), faults=[f.spec() for f in self.spec.faults])
         self.latest_checkpoint = self.spec.resume_from or await asyncio.to_thread(
             latest_complete, self.storage,
@@ -142,8 +151,9 @@ class Controller:
     async def group_broken(self, worker_id: int, generation: int) -> None:
         self.inbox.put_nowait(("broken", worker_id, generation, time.time()))
 
-    async def fault_fired(self, worker_id: int, fault: str) -> None:
-        self.journal.emit("fault_injected", worker_id=worker_id, fault=fault)
+    async def fault_fired(self, worker_id: int, fault: str, step: int) -> None:
+        self.progress.note_step(step)
+        self.journal.emit("fault_injected", worker_id=worker_id, fault=fault, step=step, attempt=self.spec.attempt)
         self.journal.flush()
 
     async def shard_written(self, report: dict[str, Any]) -> None:
@@ -249,10 +259,18 @@ class Controller:
             return
         failed = [o for o in outcomes if not (isinstance(o, dict) and o.get("ok"))]
         if failed:
+            self.failed_formations += 1
+            if self.failed_formations > MAX_FAILED_FORMATIONS:
+                message = (f"{self.failed_formations} generations in a row failed to form; the last: {failed[0]}. "
+                           "Check that workers can reach each other and the controller's TCPStore.")
+                self.failure = {"error": message, "rank": None, "traceback": "", "kind": "formation"}
+                self._enter(states.Failed(message), "too many failed formations")
+                return
             self.journal.emit("decision", action="REFORM", reason=f"generation {generation} did not form: {failed[0]}")
             self.generation_broken = True
             await self._reconcile()
             return
+        self.failed_formations = 0
         reason, since = self.state.reason, self.state.since
         now = time.time()
         members = [{"worker_id": w, "pid": self.workers[w].pid, "node": self.workers[w].node_id} for w in self.members]

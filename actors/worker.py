@@ -53,7 +53,7 @@ class Worker:
         writer = CheckpointWriter(storage, on_written=lambda report: ray.get(controller.shard_written.remote(report)))
         self.ctx = TrainContext(
             data_config, self.mailbox, faults, self._reports.append, use_gpu, checkpoint_config, writer,
-            on_fault=lambda fault: ray.get(controller.fault_fired.remote(worker_id, fault.spec())),
+            on_fault=lambda fault: ray.get(controller.fault_fired.remote(worker_id, fault.spec(), self.ctx.step)),
         )
         self._stop = threading.Event()
         threading.Thread(target=self._flush_loop, daemon=True, name="elastic-reports").start()

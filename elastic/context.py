@@ -78,7 +78,7 @@ class Step:
         self.world_size = ctx.world_size
         self.entered = False
         self.committed = False
-        self.failed: BaseException | None = None
+        self.failed: str | None = None
         self.started = 0.0
 
     def micro_batches(self) -> Iterator[MicroBatch]:
@@ -305,7 +305,8 @@ class TrainContext:
             )
             return False
         if isinstance(exc, GroupBrokenError) or is_peer_failure(exc):
-            step.failed = exc
+            # Keep the message, not the exception: its traceback would keep the old DDP alive.
+            step.failed = f"{type(exc).__name__}: {exc}"
             if not step.committed and self._optimizer is not None:
                 self._optimizer.zero_grad(set_to_none=True)
             return True
@@ -353,6 +354,8 @@ class TrainContext:
     def _join(self, reason: str, lost: int = 0) -> None:
         """Leave the current generation and join the newest one the controller offers."""
         if reason == "heal":
+            # Leave at once: a live peer blocked on this rank fails now instead of at the timeout.
+            self._leave()
             self.mailbox.report_broken(self.generation)
         while True:
             spec = self.mailbox.wait_newer(self.generation)
@@ -381,7 +384,15 @@ class TrainContext:
             )
             return
 
+    def _leave(self) -> None:
+        # Nothing may keep the old group alive: see leave_group.
+        self._flag = None
+        if self._model is not None:
+            self._model.ddp = None
+        leave_group(self.spec.backend if self.spec else "gloo")
+
     def _form(self, spec: GenerationSpec) -> None:
+        self._leave()
         self.spec = spec
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -440,7 +451,7 @@ class TrainContext:
         return True
 
     def close(self) -> None:
-        leave_group(self.spec.backend if self.spec else "gloo")
+        self._leave()
 
 
 def _allreduce_with_faults(ctx, bucket):

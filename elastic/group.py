@@ -9,6 +9,7 @@ never confuse the next.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +19,9 @@ import torch.distributed as dist
 
 # NCCL must surface a dead peer as an error instead of hanging the stream.
 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+
+# How long the members of a new generation wait for each other before giving up on it.
+FORMATION_TIMEOUT_S = 30.0
 
 # Substrings of errors raised when a peer of a collective is gone. gloo raises plain
 # RuntimeErrors, so the message is all there is to tell a broken group from a user bug.
@@ -97,7 +101,12 @@ class StoreClient:
 
 
 def form_group(spec: GenerationSpec, store: dist.TCPStore) -> None:
-    """Initialise the default process group of generation `spec.generation`."""
+    """Initialise the default process group of generation `spec.generation`.
+
+    The rendezvous is bounded by FORMATION_TIMEOUT_S, so a member that never arrives fails the
+    formation (and the controller offers another) instead of holding the others for the long
+    collective timeout, which applies once the group exists.
+    """
     leave_group(spec.backend)
     set_torchrun_env(spec)
     dist.init_process_group(
@@ -105,15 +114,22 @@ def form_group(spec: GenerationSpec, store: dist.TCPStore) -> None:
         store=dist.PrefixStore(spec.prefix, store),
         rank=spec.rank,
         world_size=spec.world_size,
-        timeout=timedelta(seconds=spec.collective_timeout_s),
+        timeout=timedelta(seconds=min(FORMATION_TIMEOUT_S, spec.collective_timeout_s)),
     )
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=spec.collective_timeout_s))
 
 
 def leave_group(backend: str) -> None:
-    """Drop the current process group, if any, without waiting on peers that may be dead."""
+    """Drop the current process group, if any, without waiting on peers that may be dead.
+
+    The caller must hold no reference to the group (a DDP wrapper, a pending Work): its
+    sockets close only when the group object is freed, and until then a live peer blocked in a
+    collective with this rank waits for the whole collective timeout instead of failing at once.
+    """
     if not dist.is_initialized():
         return
     if backend == "nccl":
         dist.distributed_c10d._abort_process_group()
     else:
         dist.destroy_process_group()
+    gc.collect()  # DDP sits in reference cycles; free the group now, closing its connections

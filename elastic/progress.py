@@ -47,6 +47,10 @@ class ProgressTracker:
         while self._recent and self._recent[0][0] < horizon:
             self._recent.popleft()
 
+    def note_step(self, step: int) -> None:
+        """A step known to be committed from another source than a step report."""
+        self.step = max(self.step, step)
+
     def samples_per_s(self) -> float:
         if len(self._recent) < 2:
             return 0.0

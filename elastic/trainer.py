@@ -6,8 +6,9 @@
                              data_config=DataConfig(global_batch_size=64, micro_batch_size=32, max_steps=100))
     result = trainer.fit()
 
-`fit()` validates everything it can before any actor starts, connects to Ray (a local
-instance unless an address or RAY_ADDRESS is given), starts the run's controller actor on
+`fit()` validates everything it can before any actor starts, connects to Ray as `ray.init`
+does (the given address, else RAY_ADDRESS, else a Ray already started on this machine with
+`ray start`, else a new local instance), starts the run's controller actor on
 the head node, shows progress while the run goes on, and returns a `Result` or raises.
 """
 

@@ -12,6 +12,7 @@ import ray
 import torch
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
+from elastic.errors import TrainingFailedError
 from elastic.checkpoint import Checkpoint, CheckpointError, checkpoint_steps, checkpoint_storage, step_dir, verify
 from elastic.storage import RunStorage
 from workloads import GLOBAL_BATCH, STEPS_PER_EPOCH, regression_loop
@@ -22,15 +23,15 @@ PARAM_TOLERANCE = 1e-9
 pytestmark = pytest.mark.timeout(240)
 
 
-def trainer(storage_path, name, workers, max_steps=TOTAL_STEPS, faults=(), max_failures=0, sleep_s=0.0, **run):
+def trainer(storage_path, name, workers, max_steps=TOTAL_STEPS, faults=(), max_failures=0, sleep_s=0.0, hidden=32):
     low, high = workers
     return ElasticTrainer(
         regression_loop,
-        train_loop_config={"max_steps": TOTAL_STEPS, "sleep_s": sleep_s},
+        train_loop_config={"max_steps": TOTAL_STEPS, "sleep_s": sleep_s, "hidden": hidden},
         scaling_config=ScalingConfig(min_workers=low, max_workers=high),
         run_config=RunConfig(
             name=name, storage_path=str(storage_path), checkpoint_config=CheckpointConfig(every_steps=8),
-            failure_config=FailureConfig(max_failures=max_failures), **run,
+            failure_config=FailureConfig(max_failures=max_failures),
         ),
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=max_steps, seed=3),
         faults=list(faults),
@@ -113,3 +114,9 @@ def test_a_rank_killed_while_writing_leaves_no_complete_looking_checkpoint(refer
         if run.size(f"{step_dir(step)}/manifest.json") is not None:
             verify(checkpoint_storage(run, step))  # every checkpoint that looks complete is complete
     assert_same_training(result, reference)
+
+
+def test_resuming_with_a_different_model_names_the_mismatch(local_ray, tmp_path):
+    trainer(tmp_path, "changed-model", (1, 1), max_steps=8).fit()
+    with pytest.raises(TrainingFailedError, match=r"(?s)does not fit the registered 'model'.*size mismatch"):
+        trainer(tmp_path, "changed-model", (1, 1), hidden=64).fit()

@@ -30,9 +30,9 @@ def regression_data(num_samples: int = NUM_SAMPLES) -> torch.utils.data.TensorDa
     return torch.utils.data.TensorDataset(x, y)
 
 
-def build_mlp() -> torch.nn.Module:
+def build_mlp(hidden: int = 32) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
+    return torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)).double()
 
 
 def state_digest(*objects) -> str:
@@ -58,7 +58,7 @@ def _tensors(value):
 def regression_loop(config: dict) -> dict:
     ctx = elastic.get_context()
     dataset = regression_data()
-    model = ctx.prepare_model(build_mlp())
+    model = ctx.prepare_model(build_mlp(config.get("hidden", 32)))
     optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     epochs = -(-config["max_steps"] // STEPS_PER_EPOCH)
     ledger = torch.zeros(epochs, NUM_SAMPLES, dtype=torch.float64)
