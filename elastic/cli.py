@@ -132,7 +132,10 @@ def _format_summary(summary: dict[str, Any], summary_json: str | None) -> str:
         f"  goodput:     {summary['goodput']:.2f} (share of wall time spent in committed steps)",
         f"  final loss:  {loss}",
         f"  events:      {summary['events']}",
+        f"  checkpoint:  {summary['checkpoint']}",
     ]
+    if summary["resumed_from_step"] is not None:
+        lines.insert(1, f"  resumed from the checkpoint of step {summary['resumed_from_step']}")
     if summary_json:
         lines.append(f"  summary:     {summary_json}")
     return "\n".join(lines)

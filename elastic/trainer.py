@@ -118,7 +118,10 @@ class ElasticTrainer:
                 line.close()
         outcome = ray.get(run_ref)
         ray.kill(controller)
+        # The run folder's journal holds every attempt of this run; the Result shows this one.
         events = read_events(storage)
+        first = next(i for i, e in enumerate(events) if e["type"] == "run_started" and e.get("attempt") == spec.attempt)
+        events = events[first:]
         if not outcome["finished"]:
             failure = outcome["failure"]
             if failure.get("kind") == "capacity":

@@ -20,12 +20,11 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import elastic
-from elastic.config import DataConfig, RunConfig, ScalingConfig, check_fits
+from elastic.config import CheckpointConfig, DataConfig, RunConfig, ScalingConfig, check_fits
 from elastic.demo.corpus import DEFAULT_MAX_BYTES, DEFAULT_SEQ_LEN, VOCAB_SIZE, prepare_corpus
 from elastic.demo.model import ModelConfig, TinyLM
-from elastic.events import EventJournal, events_of
+from elastic.events import events_of
 from elastic.faults import Fault, check_faults
-from elastic.storage import RunStorage
 
 # The demo's kill fires a quarter into the run: late enough that training is visibly under
 # way, early enough that the replacement worker has time to start and the run grows back.
@@ -37,8 +36,7 @@ class DemoConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field("demo", description="Run name; its events go to {storage_path}/{name}/events.jsonl, "
-                      "replacing an earlier run's.")
+    name: str = Field("demo", description="Run name; a second demo of the same name resumes from its checkpoint.")
     storage_path: str = Field("./runs", description="Local path or URI that holds the run folder.")
     address: str | None = Field(None, description="Ray address to connect to; None starts a local Ray.")
     min_workers: int = Field(2, gt=0, description="Fewest workers training continues with.")
@@ -51,6 +49,7 @@ class DemoConfig(BaseModel):
     data_dir: str | None = Field(None, description="Corpus folder; None uses ~/.cache/elastic/corpus-stdlib-<seq_len>.")
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
     seed: int = Field(0, description="Seed of the model's initial weights and of the data order.")
+    checkpoint_every: int = Field(50, gt=0, description="Steps between durable checkpoints (one is also written at the end).")
     faults: list[Fault] = Field(default_factory=list, description="Faults to inject (see elastic.faults).")
 
     @model_validator(mode="after")
@@ -68,7 +67,8 @@ class DemoConfig(BaseModel):
                           max_steps=self.steps, seed=self.seed)
 
     def run_config(self) -> RunConfig:
-        return RunConfig(name=self.name, storage_path=self.storage_path)
+        return RunConfig(name=self.name, storage_path=self.storage_path,
+                         checkpoint_config=CheckpointConfig(every_steps=self.checkpoint_every))
 
 
 def default_fault(steps: int) -> Fault:
@@ -117,12 +117,6 @@ def run_demo(config: DemoConfig, show_progress: bool = True) -> dict[str, Any]:
         address=config.address,
         show_progress=show_progress,
     )
-    storage = RunStorage(config.storage_path, config.name)
-    if storage.size(EventJournal.FILE) is not None:
-        # elastic continues a run folder's journal as the same run, and a fault recorded there
-        # counts as fired; each demo is meant to be a fresh run, so the earlier one goes.
-        storage.fs.delete_dir(storage.root)
-        print(f"elastic demo: removed the earlier run in {storage.uri} to start afresh; pass --name to keep runs apart")
     if not (config.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
         # address="local": a new instance even when a `ray start` cluster runs here (join that
         # one with address="auto"). Logical CPUs: each worker asks for 1, so 2 cores host 3
@@ -142,6 +136,8 @@ def summarize(result: elastic.Result, config: DemoConfig, started: float) -> dic
         "storage_path": config.storage_path,
         "events": f"{result.path}/events.jsonl",
         "steps": result.step,
+        "resumed_from_step": next((e["step"] for e in events_of(events, "run_resumed")), None),
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
         "samples": result.step * config.global_batch_size,
         "wall_s": time.time() - started,
         "world_size_history": [
