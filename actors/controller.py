@@ -10,6 +10,7 @@ new generation, or end the run. `elastic.states` lists the states it moves throu
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class WorkerRecord:
     handle: Any
     status: str = "pending"  # pending -> ready -> member -> gone
     was_member: bool = False
+    evicted_for: str = ""  # set when the controller kills it (hang, straggler): its death is expected
     node_id: str = ""
     pid: int = 0
 
@@ -95,6 +97,7 @@ class Controller:
         self.generation_broken = False
         self.failures = 0
         self.failed_formations = 0
+        self.formed_at = time.time()
         self.latest_checkpoint: Checkpoint | None = None
         self.shards: dict[tuple[int, int], list[dict[str, Any]]] = {}
         self.failure_time: float | None = None
@@ -146,15 +149,19 @@ class Controller:
 
     # --- called by workers ---------------------------------------------------------------
     async def ingest(self, worker_id: int, items: list[dict[str, Any]]) -> None:
-        self.progress.ingest(items)
+        self.progress.ingest(worker_id, items)
 
     async def group_broken(self, worker_id: int, generation: int) -> None:
         self.inbox.put_nowait(("broken", worker_id, generation, time.time()))
 
-    async def fault_fired(self, worker_id: int, fault: str, step: int) -> None:
+    async def fault_fired(self, worker_id: int, fault: str, step: int, note: str = "") -> None:
         self.progress.note_step(step)
-        self.journal.emit("fault_injected", worker_id=worker_id, fault=fault, step=step, attempt=self.spec.attempt)
+        self.journal.emit("fault_injected", worker_id=worker_id, fault=fault, step=step, attempt=self.spec.attempt,
+                          **({"note": note} if note else {}))
         self.journal.flush()
+        if fault.startswith("controller-kill:"):
+            # Die after this call has answered, like a crash: no cleanup. Ray restarts the actor.
+            asyncio.get_running_loop().call_later(0.05, os._exit, 1)
 
     async def shard_written(self, report: dict[str, Any]) -> None:
         """A rank finished (or failed) writing its shard; the last one completes the checkpoint."""
@@ -213,8 +220,9 @@ class Controller:
             return
         kind = "app_error" if outcome else "death"
         cause = outcome["error"] if outcome else error
-        self.journal.emit("worker_failed", worker_id=worker_id, rank=rank, node=record.node_id, pid=record.pid,
-                          kind=kind, cause=cause, generation=self.generation)
+        if not record.evicted_for:  # an eviction already logged its own worker_failed
+            self.journal.emit("worker_failed", worker_id=worker_id, rank=rank, node=record.node_id, pid=record.pid,
+                              kind=kind, cause=cause, generation=self.generation)
         if kind == "death" and was_member and len(self.members) == 1:
             kind = "all_lost"
         if kind != "death":
@@ -271,6 +279,7 @@ class Controller:
             await self._reconcile()
             return
         self.failed_formations = 0
+        self.formed_at = time.time()
         reason, since = self.state.reason, self.state.since
         now = time.time()
         members = [{"worker_id": w, "pid": self.workers[w].pid, "node": self.workers[w].node_id} for w in self.members]
@@ -285,6 +294,7 @@ class Controller:
                               world_size=len(self.members), from_checkpoint=not reason.startswith("heal"))
             self.failure_time = None
         self._enter(states.Running(generation), reason)
+        self.formed_at = time.time()
         self.journal.flush()
         await self._reconcile()
 
@@ -300,10 +310,60 @@ class Controller:
             self._enter(states.Failed(message), "capacity timeout")
         if self.generation < 0 and self.first_ready_at and time.time() - self.first_ready_at > START_GRACE_S:
             await self._reconcile()
+        if isinstance(self.state, states.Running):
+            await self._check_hang()
+            self._check_stragglers()
         sample = self.progress.sample()
         if sample:
             self.journal.emit("metrics", world_size=len(self.members), **sample)
         self.journal.flush()
+
+    async def _check_hang(self) -> None:
+        """Kill the members that stopped the run, once no step committed within the deadline."""
+        config = self.spec.run.failure_config
+        last = max(self.progress.last_step_time, self.formed_at)
+        deadline = policies.hang_deadline(self.progress.step_times, config.hang_factor, config.hang_floor_s,
+                                          config.hang_ceiling_s)
+        stalled = time.time() - last
+        if stalled <= deadline:
+            return
+        members = list(self.members)
+        answers = await asyncio.gather(*(self._progress_of(w) for w in members))
+        if not isinstance(self.state, states.Running) or members != self.members:
+            return  # the run moved on while we asked
+        for worker_id in policies.find_hung(dict(zip(members, answers))):
+            self._evict(worker_id, "hang", f"no step committed for {stalled:.1f} s, past the deadline of "
+                        f"{deadline:.1f} s; it was behind its peers at {answers[members.index(worker_id)]} "
+                        "(step, all-reduces launched)", detect_s=stalled, deadline_s=deadline)
+
+    def _check_stragglers(self) -> None:
+        config = self.spec.run.failure_config
+        if config.straggler_factor is None:
+            return
+        compute = {w: self.progress.compute.get(w, {}) for w in self.members}
+        found = policies.find_straggler(compute, config.straggler_factor, config.straggler_steps)
+        if found:
+            worker_id, reason = found
+            self.journal.emit("decision", action="EVICT", reason=f"worker {worker_id} is a straggler: {reason}")
+            self._evict(worker_id, "straggler", reason)
+            for times in self.progress.compute.values():
+                times.clear()  # judge the next generation on its own steps
+
+    async def _progress_of(self, worker_id: int) -> tuple[int, int] | None:
+        try:
+            answer = await asyncio.wait_for(self.workers[worker_id].handle.progress.remote(), PING_TIMEOUT_S)
+            return answer["step"], answer["launched"]
+        except (RayActorError, asyncio.TimeoutError):
+            return None
+
+    def _evict(self, worker_id: int, kind: str, cause: str, **fields: Any) -> None:
+        """Kill a live member; its death then heals like any other."""
+        record = self.workers[worker_id]
+        record.evicted_for = kind
+        self.journal.emit("worker_failed", worker_id=worker_id, rank=self.members.index(worker_id),
+                          node=record.node_id, pid=record.pid, kind=kind, cause=cause, generation=self.generation,
+                          **fields)
+        ray.kill(record.handle)
 
     # --- decisions and actions -----------------------------------------------------------
     async def _reconcile(self) -> None:

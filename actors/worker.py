@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import inspect
 import os
+import signal
 import socket
 import threading
 import traceback
@@ -53,7 +54,7 @@ class Worker:
         writer = CheckpointWriter(storage, on_written=lambda report: ray.get(controller.shard_written.remote(report)))
         self.ctx = TrainContext(
             data_config, self.mailbox, faults, self._reports.append, use_gpu, checkpoint_config, writer,
-            on_fault=lambda fault: ray.get(controller.fault_fired.remote(worker_id, fault.spec(), self.ctx.step)),
+            on_fault=self._on_fault,
         )
         self._stop = threading.Event()
         threading.Thread(target=self._flush_loop, daemon=True, name="elastic-reports").start()
@@ -79,6 +80,20 @@ class Worker:
             # Waits, so the controller has every report before it sees the outcome.
             self._flush(wait=True)
             _set_current(None)
+
+    def _on_fault(self, fault: Fault) -> None:
+        """Record a fault with the controller before it acts, and do what needs Ray's view of the node."""
+        note = ""
+        if fault.kind == "node-loss" and _on_head_node():
+            note = "refused on the head node (it would end the cluster); only this worker dies"
+        ray.get(self._controller.fault_fired.remote(self.worker_id, fault.spec(), self.ctx.step, note))
+        if fault.kind == "node-loss" and not note:
+            # A worker is a child of its node's raylet; killing the raylet loses the whole node.
+            os.kill(os.getppid(), signal.SIGKILL)
+
+    @ray.method(concurrency_group="control")
+    def progress(self) -> dict[str, Any]:
+        return self.ctx.progress()
 
     @ray.method(concurrency_group="control")
     def info(self) -> dict[str, Any]:
@@ -119,6 +134,11 @@ class Worker:
             sent = self._controller.ingest.remote(self.worker_id, items)
             if wait:
                 ray.get(sent)
+
+
+def _on_head_node() -> bool:
+    here = ray.get_runtime_context().get_node_id()
+    return any(n["NodeID"] == here and "node:__internal_head__" in n["Resources"] for n in ray.nodes())
 
 
 def _picklable(value: Any) -> Any:

@@ -103,6 +103,26 @@ class FailureConfig(_Frozen):
     collective_timeout_s: float = Field(
         300.0, gt=0, description="torch.distributed timeout of one collective, instead of its 30-minute default."
     )
+    hang_factor: float = Field(
+        20.0, gt=1, description="A run is stalled when no step commits for this many median step times."
+    )
+    hang_floor_s: float = Field(10.0, gt=0, description="The stall deadline is never shorter than this.")
+    hang_ceiling_s: float = Field(
+        600.0, gt=0, description="The stall deadline is never longer than this (and is this until steps are measured)."
+    )
+    straggler_factor: float | None = Field(
+        None, gt=1, description="Evict a rank whose own compute takes more than this times the others' median; "
+        "None (the default) never evicts."
+    )
+    straggler_steps: int = Field(20, gt=0, description="Consecutive slow steps before a straggler is evicted.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "FailureConfig":
+        if self.hang_floor_s > self.hang_ceiling_s:
+            raise ValueError(
+                f"hang_floor_s({self.hang_floor_s}) > hang_ceiling_s({self.hang_ceiling_s}); the floor must not exceed the ceiling"
+            )
+        return self
 
 
 class RunConfig(_Frozen):

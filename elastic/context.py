@@ -22,6 +22,7 @@ when the prepared optimizer steps; the data cursor moves only then.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -34,7 +35,7 @@ from elastic import data as data_math
 from elastic.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, take_snapshot
 from elastic.config import CheckpointConfig, DataConfig
 from elastic.errors import ElasticError, GroupBrokenError, WorkerEvictedError
-from elastic.faults import Fault
+from elastic.faults import Fault, InjectedError
 from elastic.group import GenerationSpec, StoreClient, form_group, is_peer_failure, leave_group
 from elastic.mailbox import GenerationMailbox
 from elastic.state_sync import load_into, state_of, sync_state
@@ -78,6 +79,7 @@ class Step:
         self.world_size = ctx.world_size
         self.entered = False
         self.committed = False
+        self.compute_s: float | None = None
         self.failed: str | None = None
         self.started = 0.0
 
@@ -135,6 +137,9 @@ class TrainContext:
         self._checkpoint_metadata: dict[str, Any] = {}
         self._last_checkpoint = time.monotonic()
         self.checkpoint: Checkpoint | None = None
+        self._launched = 0
+        self._compute_s = 0.0
+        self._slow_extra_s = 0.0
         self.mailbox = mailbox
         self.faults = faults
         self._report_sink = report_sink
@@ -261,6 +266,8 @@ class TrainContext:
         indices = data_math.step_indices(step.cursor, order, cfg.global_batch_size, step.world_size, step.rank)
         bounds = data_math.micro_bounds(len(indices), cfg.micro_batch_size)
         ddp = self._model.ddp if self._model else None
+        if self._slow_extra_s:
+            time.sleep(self._slow_extra_s)  # an injected straggler
         for i, (start, stop) in enumerate(bounds):
             chunk = indices[start:stop]
             batch = MicroBatch(
@@ -291,6 +298,8 @@ class TrainContext:
     def _end_step(self, step: Step, exc: BaseException | None) -> bool:
         if exc is None:
             self._commit()
+            if step.compute_s is not None:
+                self._compute_s = step.compute_s - self._slow_extra_s
             self._report_sink(
                 {
                     "kind": "step",
@@ -299,6 +308,7 @@ class TrainContext:
                     "world_size": step.world_size,
                     "generation": self.generation,
                     "step_s": time.perf_counter() - step.started,
+                    "compute_s": step.compute_s,
                     "samples": self.data_config.global_batch_size,
                     "time": time.time(),
                 }
@@ -346,7 +356,7 @@ class TrainContext:
         started = time.perf_counter()
         states = {name: state_of(obj) for name, obj in self._objects.items()}
         snapshot = take_snapshot(states, {"step": self._step_index, "cursor": self._cursor.to_dict()})
-        crash = any(f.where == "checkpoint" and self._due(f) for f in self.faults)
+        crash = any(f.kind == "checkpoint-crash" and self._due(f) for f in self.faults)
         self._writer.submit(snapshot, self.rank, self.world_size, time.perf_counter() - started,
                             self._checkpoint_files, self._checkpoint_metadata, crash_midway=crash)
         self._last_checkpoint = time.monotonic()
@@ -431,14 +441,23 @@ class TrainContext:
         ddp = DistributedDataParallel(
             module, device_ids=[self.device.index] if self.device.type == "cuda" else None, init_sync=False
         )
-        if any(f.kind == "kill" and f.where == "allreduce" for f in self.faults):
-            ddp.register_comm_hook(self, _allreduce_with_faults)
+        ddp.register_comm_hook(self, _counted_allreduce)
         return ddp
 
     def _fire_faults_at_step_start(self) -> None:
         for fault in self.faults:
-            if fault.where == "step_start" and self._due(fault):
-                _die()
+            if fault.kind in ("kill", "node-loss") and fault.where == "step_start" and self._due(fault):
+                _die()  # for node-loss, the worker's handler has already taken the node down
+            elif fault.kind == "raise" and self._due(fault):
+                raise InjectedError(f"injected application error on rank {self.rank} at step {self._step_index}")
+            elif fault.kind == "slow" and self._due(fault):
+                self._slow_extra_s = (fault.factor - 1) * self._compute_s
+            elif fault.kind == "controller-kill" and self._due(fault):
+                pass  # the worker's handler has already told the controller to die
+
+    def progress(self) -> dict[str, Any]:
+        """Where the train thread is, for the controller's hang check: answered from another thread."""
+        return {"step": self._step_index, "launched": self._launched, "generation": self.generation}
 
     def _due(self, fault: Fault) -> bool:
         """True once per run, for the rank that first meets the fault at its step."""
@@ -454,17 +473,27 @@ class TrainContext:
         self._leave()
 
 
-def _allreduce_with_faults(ctx, bucket):
-    """DDP comm hook used only when `kill ... where=allreduce` faults exist: dies mid-all-reduce.
+def _counted_allreduce(ctx, bucket):
+    """DDP's all-reduce, counting the buckets this rank has launched.
 
-    Unannotated on purpose: DDP rejects a hook whose annotations are strings, which
-    `from __future__ import annotations` would make them.
+    When every rank stalls, the count tells the controller who is behind: peers of a hung rank
+    have launched a bucket it never launched. The first bucket of a step also marks the end of
+    this rank's own compute, which is how stragglers are told from the ranks waiting on them.
+    Faults that act inside the all-reduce fire here. Unannotated on purpose: DDP rejects a hook
+    whose annotations are strings, which `from __future__ import annotations` would make them.
     """
+    step = ctx._current_step
+    if step is not None and step.compute_s is None:
+        step.compute_s = time.perf_counter() - step.started
     for fault in ctx.faults:
-        if fault.where == "allreduce" and ctx._due(fault):
+        if fault.kind == "kill" and fault.where == "allreduce" and ctx._due(fault):
             _die()
+        if fault.kind == "hang" and ctx._due(fault):
+            threading.Event().wait()  # never set: this rank never contributes to the all-reduce
     tensor = bucket.buffer().div_(dist.get_world_size())
-    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    work = dist.all_reduce(tensor, async_op=True)
+    ctx._launched += 1
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def _die() -> None:

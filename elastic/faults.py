@@ -1,43 +1,67 @@
 """Deterministic fault injection, a public API for testing a training script's resilience.
 
-A fault is keyed by (rank, step) and fires once per run, whatever the rescales in between:
+A fault is keyed by (rank, step) and fires once per `fit()`, whatever the rescales in between:
 the rank that meets it first claims it through the run's TCPStore. Faults are given in code,
 
     ElasticTrainer(..., faults=[Fault(kind="kill", rank=1, step=20)])
 
-or as a spec string, as in `elastic demo --inject kill:rank=1,step=20`.
+or as spec strings, as in `elastic demo --inject kill:rank=1,step=20`.
 
-Kinds:
-- `kill`: the rank's process dies (`os._exit`) when it reaches step `step`. With
-  `where="allreduce"` it dies inside its gradient all-reduce of that step instead, after its
-  peers have entered it; with `where="checkpoint"` it dies halfway through writing its shard
-  of the checkpoint of step `step`.
+| kind | spec | what happens at step `step` on rank `rank` |
+|---|---|---|
+| kill | `kill:rank=1,step=20[,where=allreduce]` | the process dies (`os._exit`): before the step's forward, or inside its gradient all-reduce after its peers entered it |
+| hang | `hang:rank=1,step=20` | the rank blocks forever inside its gradient all-reduce; the controller must detect and kill it |
+| slow | `slow:rank=1,step=20,factor=3` | from then on the rank's steps take `factor` times longer (a straggler) |
+| raise | `raise:rank=1,step=20` | the train loop raises `InjectedError` (an application error) |
+| node-loss | `node-loss:rank=1,step=20` | the Ray node hosting the rank is lost (its raylet is killed, taking every worker on it); refused on the head node |
+| checkpoint-crash | `checkpoint-crash:rank=1,step=16` | the rank dies halfway through writing its shard of the checkpoint of step 16 |
+| controller-kill | `controller-kill:step=20` | the controller actor dies when rank 0 reaches the step; Ray restarts it |
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-FAULT_KINDS = ("kill",)
+from elastic.errors import ElasticError
+
+FAULT_KINDS = ("kill", "hang", "slow", "raise", "node-loss", "checkpoint-crash", "controller-kill")
+FaultKind = Literal["kill", "hang", "slow", "raise", "node-loss", "checkpoint-crash", "controller-kill"]
+
+
+class InjectedError(ElasticError):
+    """Raised in the train loop by a `raise` fault, standing for a bug in the user's code."""
 
 
 class Fault(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["kill"] = Field(..., description="What happens: kill = the rank's process dies.")
-    rank: int = Field(..., ge=0, description="Rank (in the generation current at that step) that fails.")
+    kind: FaultKind = Field(..., description="What happens; see the table in this module's docstring.")
+    rank: int = Field(0, ge=0, description="Rank (in the generation current at that step) that fails.")
     step: int = Field(..., ge=0, description="Global step (0-based) at which the fault fires.")
-    where: Literal["step_start", "allreduce", "checkpoint"] = Field(
-        "step_start",
-        description="step_start: before the step's forward; allreduce: inside its gradient all-reduce; "
-        "checkpoint: halfway through writing its shard of the checkpoint of that step.",
+    where: Literal["step_start", "allreduce"] = Field(
+        "step_start", description="For kill: before the step's forward, or inside its gradient all-reduce."
     )
+    factor: float | None = Field(None, gt=1, description="For slow: how many times longer each step takes.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "Fault":
+        if self.kind == "slow" and self.factor is None:
+            raise ValueError("a slow fault needs factor=F (F > 1), e.g. slow:rank=1,step=20,factor=3")
+        if self.kind != "slow" and self.factor is not None:
+            raise ValueError(f"factor only applies to slow faults, not {self.kind}")
+        if self.kind != "kill" and self.where != "step_start":
+            raise ValueError(f"where only applies to kill faults, not {self.kind}")
+        return self
 
     def spec(self) -> str:
-        extra = "" if self.where == "step_start" else f",where={self.where}"
-        return f"{self.kind}:rank={self.rank},step={self.step}{extra}"
+        parts = [f"rank={self.rank}", f"step={self.step}"]
+        if self.where != "step_start":
+            parts.append(f"where={self.where}")
+        if self.factor is not None:
+            parts.append(f"factor={self.factor:g}")
+        return f"{self.kind}:{','.join(parts)}"
 
 
 def parse_fault(spec: str) -> Fault:
@@ -56,7 +80,10 @@ def parse_fault(spec: str) -> Fault:
     try:
         return Fault.model_validate(fields)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(
+            (f"{'.'.join(map(str, e['loc']))}: " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
+            for e in exc.errors()
+        )
         raise ValueError(f"bad fault {spec!r}: {problems}") from None
 
 

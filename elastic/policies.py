@@ -6,8 +6,12 @@ Nothing here touches Ray, so each rule is tested directly.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Literal, Sequence
+
+# Step times measured before the stall deadline follows them instead of the ceiling.
+MIN_STEP_SAMPLES = 5
 
 
 @dataclass(frozen=True)
@@ -86,3 +90,51 @@ def decide_membership(
 def workers_to_start(live: int, max_workers: int) -> int:
     """How many worker actors to request so that live + pending reaches `max_workers`."""
     return max(0, max_workers - live)
+
+
+def hang_deadline(step_times: Sequence[float], factor: float, floor_s: float, ceiling_s: float) -> float:
+    """How long the run may go without committing a step: `factor` median steps, within bounds."""
+    if len(step_times) < MIN_STEP_SAMPLES:
+        return ceiling_s
+    return min(ceiling_s, max(floor_s, factor * statistics.median(step_times)))
+
+
+def find_hung(progress: dict[int, tuple[int, int] | None]) -> list[int]:
+    """The members to kill when the run stalls, from each one's (step, buckets launched).
+
+    A member that does not answer is hung. Otherwise the members behind the front are: a hung
+    rank never launches the all-reduce its peers launched and wait in. When nobody is behind,
+    the whole generation is stuck and every member is returned.
+    """
+    silent = [w for w, p in progress.items() if p is None]
+    if silent:
+        return silent
+    front = max(progress.values())
+    return [w for w, p in progress.items() if p < front] or list(progress)
+
+
+def find_straggler(
+    compute: dict[int, dict[int, float]], factor: float, steps: int
+) -> tuple[int, str] | None:
+    """A member whose own compute exceeded `factor` times the others' median in each of the last
+    `steps` steps that every member reported, with the reason; None when there is none.
+
+    `compute` maps member -> {step: seconds from step start to its first gradient all-reduce},
+    which excludes the time spent waiting for slower peers.
+    """
+    if len(compute) < 2:
+        return None
+    common = sorted(set.intersection(*(set(c) for c in compute.values())))[-steps:]
+    if len(common) < steps:
+        return None
+    for member, times in compute.items():
+        ratios = []
+        for step in common:
+            others = statistics.median(c[step] for w, c in compute.items() if w != member)
+            ratios.append(times[step] / others if others > 0 else 0.0)
+        if min(ratios) > factor:
+            return member, (
+                f"its compute took {min(ratios):.1f}x to {max(ratios):.1f}x the others' median in each of the last "
+                f"{steps} steps, above FailureConfig(straggler_factor={factor})"
+            )
+    return None

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 THROUGHPUT_WINDOW_S = 5.0
 METRICS_EVENT_INTERVAL_S = 2.0
 PLAIN_LINE_INTERVAL_S = 10.0
+COMPUTE_HISTORY = 200
 
 
 class ProgressTracker:
@@ -27,15 +28,26 @@ class ProgressTracker:
         self.last_metrics: dict[str, Any] = {}
         self._metrics_key = (-1, 0)
         self._recent: collections.deque = collections.deque()
+        self.last_step_time = 0.0
+        self.step_times: collections.deque = collections.deque(maxlen=COMPUTE_HISTORY)
+        # worker -> {step: seconds of its own compute before its first gradient all-reduce}
+        self.compute: dict[int, dict[int, float]] = {}
         self._last_sample = 0.0
 
-    def ingest(self, items: list[dict[str, Any]]) -> None:
+    def ingest(self, worker_id: int, items: list[dict[str, Any]]) -> None:
         for item in items:
             if item["kind"] == "step":
+                self.last_step_time = max(self.last_step_time, item["time"])
+                if item.get("compute_s") is not None:
+                    recent = self.compute.setdefault(worker_id, {})
+                    recent[item["step"]] = item["compute_s"]
+                    for old in sorted(recent)[:-COMPUTE_HISTORY]:
+                        del recent[old]
                 # Every rank reports the same committed step; count it once, from the first report.
                 if item["step"] + 1 > self.step:
                     self.step = item["step"] + 1
                     self.productive_s += item["step_s"]
+                    self.step_times.append(item["step_s"])
                     self._recent.append((item["time"], item["samples"], item["world_size"]))
             elif item["kind"] == "metrics":
                 # Newest step wins; within a step, the lowest rank's metrics.

@@ -103,7 +103,7 @@ def test_the_run_finishes_when_the_controller_is_killed(reference, tmp_path):
 
 
 def test_a_rank_killed_while_writing_leaves_no_complete_looking_checkpoint(reference, tmp_path):
-    faults = [Fault(kind="kill", rank=1, step=16, where="checkpoint")]
+    faults = [Fault(kind="checkpoint-crash", rank=1, step=16)]
     result = trainer(tmp_path, "write-crash", (1, 2), faults=faults).fit()
     saved = [e["step"] for e in result.events_of("checkpoint_saved")]
     assert 16 not in saved and saved[-1] == TOTAL_STEPS

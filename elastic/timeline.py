@@ -1,0 +1,184 @@
+"""The timeline of a run as a picture: world size, throughput and loss over time, with marks.
+
+    elastic plot demo -o timeline.png          # or, from Python:
+    draw_timeline(open_run("./runs", "demo").events, "timeline.png", title="demo")
+
+Three panels share the time axis (seconds since the run started): the world size as a step
+plot, samples/s and the loss from the `metrics` events. Vertical lines mark failures
+(`worker_failed`), heals and regrowth (`generation_formed` whose reason starts with "heal" or
+"grow"), restarts (every worker lost, the controller restarted, or a new attempt) and saved
+checkpoints. The title carries the goodput of a finished run. matplotlib is an optional
+extra (`pip install 'elastic[plot]'`), imported only when a timeline is drawn, and draws
+with its Agg backend into the file, so no display is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from elastic.errors import ElasticError
+from elastic.inspect import latest_attempt
+
+# kind -> (color, line style, legend label); the order is the legend's.
+MARKS = {
+    "failure": ("#d62728", "-", "worker failed"),
+    "heal": ("#ff7f0e", "--", "healed (smaller group)"),
+    "grow": ("#2ca02c", "--", "grew back"),
+    "restart": ("#9467bd", "-.", "restart"),
+    "checkpoint": ("#7f7f7f", ":", "checkpoint saved"),
+}
+
+
+class PlotUnavailableError(ElasticError):
+    """matplotlib, an optional extra, is not installed."""
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What `draw_timeline` drew: the marks of each kind (seconds since start) and the legend."""
+
+    path: str
+    marks: dict[str, list[float]]
+    legend: list[str]
+    title: str
+
+
+def mark_kind(event: dict[str, Any]) -> str | None:
+    """Which vertical mark an event gets, if any."""
+    kind = event["type"]
+    if kind == "worker_failed":
+        return "failure"
+    if kind == "checkpoint_saved":
+        return "checkpoint"
+    if kind == "controller_restarted":
+        return "restart"
+    if kind == "generation_formed":
+        reason = event.get("reason", "")
+        if reason.startswith("heal"):
+            return "heal"
+        if reason.startswith("grow"):
+            return "grow"
+        # A later "start" re-forms from storage: every worker was lost.
+        if reason.startswith("start") and event.get("generation", 0) > 0:
+            return "restart"
+    return None
+
+
+def collect_marks(events: list[dict[str, Any]], start: float) -> dict[str, list[float]]:
+    """Seconds since `start` of each mark, by kind; a later attempt's `run_started` is a restart."""
+    marks: dict[str, list[float]] = {}
+    attempts = set()
+    for event in events:
+        kind = mark_kind(event)
+        if event["type"] == "run_started":
+            attempt = event.get("attempt")
+            if attempts and attempt not in attempts:
+                kind = "restart"
+            attempts.add(attempt)
+        if kind:
+            marks.setdefault(kind, []).append(event["time"] - start)
+    return {k: marks[k] for k in MARKS if k in marks}
+
+
+def world_size_series(events: list[dict[str, Any]], start: float) -> tuple[list[float], list[int]]:
+    """(seconds, workers) steps: 0 until a generation forms, and 0 again once an attempt ends."""
+    times, sizes = [0.0], [0]
+    for event in events:
+        if event["type"] == "generation_formed":
+            size = event["world_size"]
+        elif event["type"] in ("run_finished", "run_failed", "run_started", "controller_restarted"):
+            size = 0
+        else:
+            continue
+        times.append(event["time"] - start)
+        sizes.append(size)
+    times.append(events[-1]["time"] - start)
+    sizes.append(sizes[-1])
+    return times, sizes
+
+
+def describe(events: list[dict[str, Any]], name: str) -> str:
+    """The title: run name, steps and wall time, and goodput if the run finished."""
+    finished = [e for e in events if e["type"] == "run_finished"]
+    failed = [e for e in events if e["type"] == "run_failed"]
+    resumed = [e for e in events if e["type"] == "run_resumed"]
+    head = f"{name}: " if name else ""
+    if finished:
+        end = finished[-1]
+        text = (f"{head}{end['step']} steps in {end.get('wall_s', 0):.0f} s, "
+                f"goodput {end['goodput']:.2f}")
+    elif failed:
+        text = f"{head}failed: {failed[-1].get('error', '')}"[:90]
+    else:
+        text = f"{head}not finished (no run_finished event yet)"
+    if resumed:
+        text += f" (resumed from step {resumed[0]['step']})"
+    return text
+
+
+def draw_timeline(events: list[dict[str, Any]], path: str, name: str = "", all_attempts: bool = False) -> Timeline:
+    """Draw the run's timeline into the PNG file `path`; by default the latest attempt only."""
+    Figure, FigureCanvasAgg, Line2D = _matplotlib()
+    if not events:
+        raise ElasticError("the run's journal is empty; there is nothing to draw yet")
+    events = list(events) if all_attempts else latest_attempt(events)
+    start = events[0]["time"]
+    metrics = [e for e in events if e["type"] == "metrics"]
+    metric_times = [e["time"] - start for e in metrics]
+    losses = [(e["time"] - start, e["metrics"]["loss"]) for e in metrics
+              if isinstance(e.get("metrics", {}).get("loss"), (int, float))]
+
+    # A Figure with its own Agg canvas, not pyplot: no global backend switch, nothing to close.
+    figure = Figure(figsize=(11, 7), layout="constrained")
+    FigureCanvasAgg(figure)
+    size_ax, speed_ax, loss_ax = figure.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [1, 1.2, 1.2]})
+
+    times, sizes = world_size_series(events, start)
+    size_ax.step(times, sizes, where="post", color="#1f77b4", linewidth=2)
+    size_ax.set_ylabel("workers")
+    size_ax.set_ylim(0, max(sizes) + 0.8)
+    size_ax.yaxis.get_major_locator().set_params(integer=True)
+
+    speed_ax.plot(metric_times, [e.get("samples_per_s", 0.0) for e in metrics], color="#1f77b4")
+    speed_ax.set_ylabel("samples/s")
+    speed_ax.set_ylim(bottom=0)
+
+    if losses:
+        loss_ax.plot(*zip(*losses), color="#8c564b")
+    else:
+        loss_ax.text(0.5, 0.5, "no loss reported", transform=loss_ax.transAxes, ha="center", color="gray")
+    loss_ax.set_ylabel("loss")
+    loss_ax.set_xlabel("seconds since the run started")
+    loss_ax.set_xlim(0, max(events[-1]["time"] - start, 1.0))
+
+    marks = collect_marks(events, start)
+    handles = []
+    for kind, seconds in marks.items():
+        color, style, label = MARKS[kind]
+        for ax in (size_ax, speed_ax, loss_ax):
+            for t in seconds:
+                ax.axvline(t, color=color, linestyle=style, linewidth=1.2, alpha=0.8)
+        count = f" ×{len(seconds)}" if len(seconds) > 1 else ""
+        handles.append(Line2D([], [], color=color, linestyle=style, label=f"{label}{count}"))
+    for ax in (size_ax, speed_ax, loss_ax):
+        ax.grid(True, alpha=0.3)
+    if handles:
+        size_ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+    title = describe(events, name)
+    figure.suptitle(title)
+    figure.savefig(path, format="png", dpi=110)
+    return Timeline(path, marks, [h.get_label() for h in handles], title)
+
+
+def _matplotlib():
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+    except ImportError:
+        raise PlotUnavailableError(
+            "drawing a timeline needs matplotlib, which is not installed; install it with "
+            "pip install 'elastic[plot]'"
+        ) from None
+    return Figure, FigureCanvasAgg, Line2D
