@@ -115,3 +115,21 @@ def test_an_unwritable_storage_path_fails_before_anything_starts(tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(StorageError, match="cannot write to the run folder"):
         RunStorage(str(blocker), "run").check_writable()
+
+
+def test_every_fault_kind_parses_and_kind_specific_options_are_checked():
+    assert parse_fault("slow:rank=1,step=5,factor=3").factor == 3
+    assert parse_fault("controller-kill:step=7").rank == 0
+    for kind in ["hang", "raise", "node-loss", "checkpoint-crash"]:
+        assert parse_fault(f"{kind}:rank=1,step=4").kind == kind
+    with pytest.raises(ValueError, match="needs factor"):
+        parse_fault("slow:rank=1,step=5")
+    with pytest.raises(ValueError, match="factor only applies to slow"):
+        parse_fault("kill:rank=1,step=5,factor=2")
+
+
+def test_a_hang_floor_above_its_ceiling_is_rejected():
+    from elastic import FailureConfig
+
+    with pytest.raises(ValidationError, match=r"hang_floor_s\(100.0\) > hang_ceiling_s\(10.0\)"):
+        FailureConfig(hang_floor_s=100, hang_ceiling_s=10)

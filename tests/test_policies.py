@@ -1,5 +1,7 @@
 """The controller's decisions are pure functions; each rule is checked directly."""
 
+import pytest
+
 from elastic.policies import NoopDecision, ResizeDecision, WaitDecision, decide_failure, decide_membership, workers_to_start
 
 
@@ -38,3 +40,32 @@ def test_below_min_workers_the_decision_is_to_wait():
 def test_workers_are_requested_until_live_plus_pending_reach_max():
     assert workers_to_start(live=1, max_workers=3) == 2
     assert workers_to_start(live=4, max_workers=3) == 0
+
+
+def test_the_stall_deadline_follows_the_median_step_within_floor_and_ceiling():
+    from elastic.policies import hang_deadline
+
+    assert hang_deadline([0.1] * 3, factor=20, floor_s=1, ceiling_s=60) == 60  # too few steps measured yet
+    assert hang_deadline([0.1] * 10, factor=20, floor_s=1, ceiling_s=60) == pytest.approx(2.0)
+    assert hang_deadline([0.01] * 10, factor=20, floor_s=1, ceiling_s=60) == 1
+    assert hang_deadline([10.0] * 10, factor=20, floor_s=1, ceiling_s=60) == 60
+
+
+def test_the_hung_member_is_the_one_behind_or_silent():
+    from elastic.policies import find_hung
+
+    # Peers launched the all-reduce of step 10 that member 1 never launched.
+    assert find_hung({0: (10, 11), 1: (10, 10), 2: (10, 11)}) == [1]
+    assert find_hung({0: (10, 11), 1: None}) == [1]
+    assert find_hung({0: (10, 11), 1: (10, 11)}) == [0, 1]  # all stuck alike: the whole generation
+
+
+def test_a_straggler_is_a_member_slower_than_the_others_in_every_recent_step():
+    from elastic.policies import find_straggler
+
+    steady = {s: 1.0 for s in range(10)}
+    slow = {s: (4.0 if s >= 5 else 1.0) for s in range(10)}
+    member, reason = find_straggler({0: steady, 1: slow, 2: steady}, factor=3, steps=5)
+    assert member == 1 and "straggler_factor=3" in reason
+    assert find_straggler({0: steady, 1: slow, 2: steady}, factor=3, steps=6) is None  # not slow for 6 steps yet
+    assert find_straggler({0: steady, 1: steady}, factor=3, steps=5) is None
