@@ -11,12 +11,12 @@ from __future__ import annotations
 import collections
 import inspect
 import os
-import signal
 import socket
 import threading
 import traceback
 from typing import Any, Callable
 
+import psutil
 import ray
 import torch
 
@@ -88,8 +88,13 @@ class Worker:
             note = "refused on the head node (it would end the cluster); only this worker dies"
         ray.get(self._controller.fault_fired.remote(self.worker_id, fault.spec(), self.ctx.step, note))
         if fault.kind == "node-loss" and not note:
-            # A worker is a child of its node's raylet; killing the raylet loses the whole node.
-            os.kill(os.getppid(), signal.SIGKILL)
+            # A worker is a child of its node's raylet: the node is lost when the raylet and
+            # every process it started die at once, as when a machine goes away.
+            raylet = psutil.Process(os.getppid())
+            for process in raylet.children(recursive=True):
+                if process.pid != os.getpid():
+                    process.kill()
+            raylet.kill()
 
     @ray.method(concurrency_group="control")
     def progress(self) -> dict[str, Any]:

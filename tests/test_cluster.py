@@ -11,7 +11,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from elastic import DataConfig, ElasticTrainer, RunConfig, ScalingConfig
+from elastic import DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig
 from workloads import GLOBAL_BATCH, STEPS_PER_EPOCH, regression_loop
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster]
@@ -20,7 +20,7 @@ MAX_STEPS = 60 * STEPS_PER_EPOCH
 POLL_S = 0.1
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
@@ -73,12 +73,31 @@ def test_training_continues_on_the_rest_when_a_node_with_half_the_workers_is_rem
     result = outcome["result"]
     assert result.step == MAX_STEPS
     formed = result.events_of("generation_formed")
-    sizes = [e["world_size"] for e in formed]
-    assert sizes[0] == 4 and 2 in sizes and sizes[-1] == 4
-    healed = formed[sizes.index(2)]
-    survivors = {m["node"] for m in healed["members"]}
-    assert survivors == {node_a.node_id}
+    healed = next(e for e in formed if e["reason"].startswith("heal") and e["world_size"] == 2)
+    full = [e for e in formed[: formed.index(healed)] if e["world_size"] == 4][-1]
+    assert {m["node"] for m in healed["members"]} == {node_a.node_id}
+    assert formed[-1]["world_size"] == 4
     assert {m["node"] for m in formed[-1]["members"]} == {node_a.node_id, node_c.node_id}
     assert all(r["steps_lost"] <= 1 for r in result.events_of("recovery"))
     dead = {e["worker_id"] for e in result.events_of("worker_failed")}
-    assert len(dead) == 2 and {m["worker_id"] for m in formed[0]["members"] if m["node"] == node_b.node_id} == dead
+    assert dead == {m["worker_id"] for m in full["members"] if m["node"] == node_b.node_id}
+
+def test_a_node_loss_fault_takes_down_the_node_of_its_rank_and_the_rest_carry_on(cluster, tmp_path):
+    # Runs after the test above: the cluster now has two 2-CPU worker nodes again.
+    trainer = ElasticTrainer(
+        regression_loop,
+        train_loop_config={"max_steps": MAX_STEPS // 4},
+        scaling_config=ScalingConfig(min_workers=2, max_workers=4),
+        run_config=RunConfig(name="node-loss-fault", storage_path=str(tmp_path)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=MAX_STEPS // 4),
+        faults=[Fault(kind="node-loss", rank=3, step=20)],
+        show_progress=False,
+    )
+    result = trainer.fit()
+    assert result.step == MAX_STEPS // 4
+    first = result.events_of("generation_formed")[0]
+    lost_node = first["members"][3]["node"]
+    on_lost_node = {m["worker_id"] for m in first["members"] if m["node"] == lost_node}
+    assert {e["worker_id"] for e in result.events_of("worker_failed")} == on_lost_node
+    assert all(m["node"] != lost_node for m in result.events_of("generation_formed")[-1]["members"])
+    assert bool((result.value["ledger"] == 1).all())
