@@ -4,8 +4,17 @@
     elastic demo --inject none --steps 100     # no fault
     elastic demo --inject kill:rank=0,step=50 --summary-json /tmp/demo.json
 
+    elastic status demo                        # state, world size, step, goodput, recent events
+    elastic events demo --type worker_failed --type generation_formed [--json]
+    elastic checkpoints demo                   # complete checkpoints; damaged ones with the reason
+    elastic plot demo -o timeline.png          # world size, samples/s and loss over time
+
+The last four read only the run folder `{--storage-path}/{name}/` (local, s3://, gs://), never
+Ray, so they work on a finished run, a failed one, or one training elsewhere.
+
 Usage errors (a bad fault spec, a fault beyond the last step, inconsistent sizes) exit with
-status 2 and say what to change; a run that fails exits with status 1.
+status 2 and say what to change; a run that fails, or a run folder that cannot be read,
+exits with status 1.
 """
 
 from __future__ import annotations
@@ -14,13 +23,26 @@ import argparse
 import functools
 import json
 import sys
-from typing import Any
+import time
+from typing import Any, Callable
 
 from pydantic import ValidationError
 
 from elastic.demo.train import DemoConfig, default_fault, run_demo
 from elastic.errors import ElasticError
+from elastic.events import EVENT_TYPES
 from elastic.faults import Fault, parse_fault
+from elastic.inspect import (
+    Run,
+    checkpoints_uri,
+    format_age,
+    format_bytes,
+    format_event,
+    format_time,
+    list_checkpoints,
+    open_run,
+    run_status,
+)
 
 NO_FAULTS = "none"
 
@@ -35,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic", description="Elastic data-parallel training on Ray.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_demo(commands)
+    _add_status(commands)
+    _add_events(commands)
+    _add_checkpoints(commands)
+    _add_plot(commands)
     return parser
 
 
@@ -140,6 +166,144 @@ def _format_summary(summary: dict[str, Any], summary_json: str | None) -> str:
         lines.append(f"  summary:     {summary_json}")
     return "\n".join(lines)
 
+
+
+# --- commands that read a run folder -----------------------------------------------------
+def _add_run_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("name", help="run name (RunConfig.name; the demo's is 'demo')")
+    command.add_argument("--storage-path", default=DemoConfig().storage_path,
+                         help="where run folders are: a local path, s3://… or gs://… (default: %(default)s)")
+
+
+def _reading_run(action: Callable[[Run, argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Open the run folder for `action`; a missing or unreadable one is one line on stderr, status 1."""
+
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            return action(open_run(args.storage_path, args.name), args)
+        except (ElasticError, OSError) as exc:
+            message = " ".join(str(exc).split())
+            print(f"elastic {args.command}: {message}", file=sys.stderr)
+            return 1
+
+    return handler
+
+
+# --- elastic status ----------------------------------------------------------------------
+def _add_status(commands: argparse._SubParsersAction) -> None:
+    status = commands.add_parser(
+        "status", help="state, world size, step, goodput and recent events of a run",
+        description="Show the latest attempt of a run from its event journal: state, world size, step, "
+        "throughput and loss, goodput once finished, and the last few events (metrics left out).",
+    )
+    _add_run_arguments(status)
+    status.set_defaults(handler=_reading_run(_show_status))
+
+
+def _show_status(run: Run, args: argparse.Namespace) -> int:
+    status = run_status(run.events)
+    steps = f"{status.step}" + (f" / {status.max_steps}" if status.max_steps is not None else "")
+    lines = [
+        f"run {run.name} ({run.storage.uri})",
+        f"  state:       {status.state}" + (f" ({status.reason})" if status.reason else ""),
+        f"  step:        {steps}",
+        f"  world size:  {status.world_size}" + (f" (generation {status.generation})" if status.generation is not None else ""),
+    ]
+    if status.samples_per_s is not None:
+        lines.append(f"  throughput:  {status.samples_per_s:.0f} samples/s (last sample)")
+    if status.loss is not None:
+        lines.append(f"  loss:        {status.loss:.4f} (last reported)")
+    if status.goodput is not None:
+        lines.append(f"  goodput:     {status.goodput:.2f} over {status.wall_s:.0f} s "
+                     "(share of wall time spent in committed steps)")
+    attempts = f"{status.attempts}" + (f", this one resumed from step {status.resumed_from_step}"
+                                       if status.resumed_from_step is not None else "")
+    lines += [
+        f"  attempts:    {attempts}",
+        f"  started:     {format_time(status.started)}; last event {format_age(status.last_event_time)}",
+        "  recent events:",
+        *(f"    {format_event(e, status.started)}" for e in status.recent),
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+# --- elastic events ----------------------------------------------------------------------
+def _add_events(commands: argparse._SubParsersAction) -> None:
+    events = commands.add_parser(
+        "events", help="the run's event journal, optionally of some types only",
+        description="Print the events of a run, oldest first, with local time and seconds since the "
+        "journal began. The journal holds every attempt of the run name.",
+    )
+    _add_run_arguments(events)
+    events.add_argument("--type", action="append", choices=EVENT_TYPES, metavar="TYPE", dest="types",
+                        help=f"only events of this type; repeatable. One of: {', '.join(EVENT_TYPES)}")
+    events.add_argument("--json", action="store_true", help="one JSON object per line, as stored")
+    events.set_defaults(handler=_reading_run(_show_events))
+
+
+def _show_events(run: Run, args: argparse.Namespace) -> int:
+    start = run.events[0]["time"] if run.events else 0.0
+    for event in run.events:
+        if args.types and event["type"] not in args.types:
+            continue
+        print(json.dumps(event, default=str) if args.json else format_event(event, start))
+    return 0
+
+
+# --- elastic checkpoints -----------------------------------------------------------------
+def _add_checkpoints(commands: argparse._SubParsersAction) -> None:
+    checkpoints = commands.add_parser(
+        "checkpoints", help="the run's complete checkpoints, and the incomplete or damaged ones",
+        description="Verify every checkpoint folder of a run (manifest, sizes, sha256 of each file) and "
+        "list the complete ones with step, world size, size and age; incomplete or damaged folders are "
+        "listed apart, with the reason. Resuming uses the newest complete one.",
+    )
+    _add_run_arguments(checkpoints)
+    checkpoints.set_defaults(handler=_reading_run(_show_checkpoints))
+
+
+def _show_checkpoints(run: Run, args: argparse.Namespace) -> int:
+    complete, damaged = list_checkpoints(run.storage)
+    now = time.time()
+    if not complete and not damaged:
+        print(f"run {run.name} has no checkpoints ({checkpoints_uri(run.storage)} is empty or absent)")
+        return 0
+    print(f"complete checkpoints of {run.name} ({checkpoints_uri(run.storage)}): {len(complete)}")
+    if complete:
+        print(f"  {'step':>8}  {'world':>5}  {'bytes':>14}  {'size':>10}  age")
+        for c in complete:
+            print(f"  {c.step:>8}  {c.world_size:>5}  {c.bytes:>14}  {format_bytes(c.bytes):>10}  {format_age(c.created, now)}")
+    if damaged:
+        print(f"incomplete or damaged: {len(damaged)}")
+        for d in damaged:
+            print(f"  step {d.step}: {d.reason}")
+    return 0
+
+
+# --- elastic plot ------------------------------------------------------------------------
+def _add_plot(commands: argparse._SubParsersAction) -> None:
+    plot = commands.add_parser(
+        "plot", help="draw the run's timeline (world size, samples/s, loss, failures, heals) to a PNG",
+        description="Draw world size, samples/s and loss over time, with marks for failures, heals, "
+        "regrowth, restarts and checkpoints, and the goodput in the title. Needs matplotlib: "
+        "pip install 'elastic[plot]'.",
+    )
+    _add_run_arguments(plot)
+    plot.add_argument("-o", "--output", metavar="PNG", help="file to write (default: <name>-timeline.png)")
+    plot.add_argument("--all-attempts", action="store_true",
+                      help="draw every attempt of the run name, not only the latest")
+    plot.set_defaults(handler=_reading_run(_draw_plot))
+
+
+def _draw_plot(run: Run, args: argparse.Namespace) -> int:
+    from elastic.timeline import draw_timeline
+
+    output = args.output or f"{run.name}-timeline.png"
+    drawn = draw_timeline(run.events, output, run.name, all_attempts=args.all_attempts)
+    marks = ", ".join(f"{len(times)} {kind}" for kind, times in drawn.marks.items()) or "none"
+    print(f"wrote {output}: {drawn.title}; marks: {marks}")
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

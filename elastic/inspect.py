@@ -32,6 +32,7 @@ RECENT_EVENTS = 5
 # so a non-final run that has been silent this long has probably lost its driver or cluster.
 STALE_AFTER_S = 60.0
 VALUE_CHARS = 60
+NODE_ID_CHARS = 12
 
 
 class RunNotFoundError(ElasticError):
@@ -66,10 +67,6 @@ class RunStatus:
     attempts: int
     resumed_from_step: int | None
     recent: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def final(self) -> bool:
-        return self.state in ("FINISHED", "FAILED")
 
 
 @dataclass(frozen=True)
@@ -201,8 +198,17 @@ def format_time(t: float) -> str:
 
 def format_event(event: dict[str, Any], start: float) -> str:
     """One line: local time, seconds since `start`, type, then the other fields as key=value."""
-    fields = " ".join(f"{k}={_short(v)}" for k, v in event.items() if k not in ("type", "time"))
+    fields = " ".join(f"{k}={_short(_readable(k, v))}" for k, v in event.items() if k not in ("type", "time"))
     return f"{format_time(event['time'])}  {event['time'] - start:+8.1f}s  {event['type']:<18} {fields}".rstrip()
+
+
+def _readable(key: str, value: Any) -> Any:
+    """Members as their worker ids and Ray node ids cut short: the full ones are in --json."""
+    if key == "members" and isinstance(value, list) and all(isinstance(m, dict) and "worker_id" in m for m in value):
+        return [m["worker_id"] for m in value]
+    if key == "node" and isinstance(value, str) and len(value) > NODE_ID_CHARS:
+        return value[:NODE_ID_CHARS] + "…"
+    return value
 
 
 def _short(value: Any) -> str:

@@ -1,21 +1,18 @@
-"""Progress of a run: the controller's tally of committed steps, and the driver's live line.
+"""Progress of a run: the controller's tally of committed steps.
 
 Workers report each committed step (its duration and world size) and the user's metrics in
 batches; `ProgressTracker` folds them into the step count, throughput, productive time (for
-goodput) and the latest metrics. `ProgressLine` prints them on the driver: one line redrawn
-in place on a terminal, sparse plain lines in a job log.
+goodput) and the latest metrics. The driver shows them with `elastic.display`.
 """
 
 from __future__ import annotations
 
 import collections
-import sys
 import time
-from typing import Any, TextIO
+from typing import Any
 
 THROUGHPUT_WINDOW_S = 5.0
 METRICS_EVENT_INTERVAL_S = 2.0
-PLAIN_LINE_INTERVAL_S = 10.0
 COMPUTE_HISTORY = 200
 
 
@@ -85,35 +82,3 @@ class ProgressTracker:
             return None
         self._last_sample = now
         return {"step": self.step, "samples_per_s": self.samples_per_s(), "metrics": self.last_metrics}
-
-
-class ProgressLine:
-    """Shows a run's status on the driver."""
-
-    def __init__(self, stream: TextIO = sys.stderr) -> None:
-        self.stream = stream
-        self.live = stream.isatty()
-        self._last_plain = 0.0
-        self._last_text = ""
-
-    def show(self, status: dict[str, Any]) -> None:
-        loss = status.get("metrics", {}).get("loss")
-        text = (
-            f"[elastic] {status['state']:<13} step {status['step']}/{status['max_steps']}  "
-            f"world {status['world_size']}  {status['samples_per_s']:.0f} samples/s"
-            + (f"  loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
-            + f"  last: {status['last_event']}"
-        )
-        if self.live:
-            self.stream.write("\r" + text.ljust(len(self._last_text)))
-            self.stream.flush()
-        elif time.time() - self._last_plain >= PLAIN_LINE_INTERVAL_S:
-            self.stream.write(text + "\n")
-            self.stream.flush()
-            self._last_plain = time.time()
-        self._last_text = text
-
-    def close(self) -> None:
-        if self.live and self._last_text:
-            self.stream.write("\n")
-            self.stream.flush()

@@ -1,24 +1,26 @@
 """The timeline of a run as a picture: world size, throughput and loss over time, with marks.
 
     elastic plot demo -o timeline.png          # or, from Python:
-    draw_timeline(open_run("./runs", "demo").events, "timeline.png", title="demo")
+    draw_timeline(open_run("./runs", "demo").events, "timeline.png", name="demo")
 
 Three panels share the time axis (seconds since the run started): the world size as a step
-plot, samples/s and the loss from the `metrics` events. Vertical lines mark failures
-(`worker_failed`), heals and regrowth (`generation_formed` whose reason starts with "heal" or
-"grow"), restarts (every worker lost, the controller restarted, or a new attempt) and saved
-checkpoints. The title carries the goodput of a finished run. matplotlib is an optional
-extra (`pip install 'elastic[plot]'`), imported only when a timeline is drawn, and draws
-with its Agg backend into the file, so no display is needed.
+plot, shaded where the controller was not training (waiting or reconfiguring), then samples/s
+and the loss from the `metrics` events. Vertical lines mark failures (`worker_failed`), heals
+and regrowth (`generation_formed` whose reason starts with "heal" or "grow"), restarts (every
+worker lost, the controller restarted, or a new attempt) and saved checkpoints. The title
+carries the goodput of a finished run. matplotlib is an optional extra
+(`pip install 'elastic[plot]'`), imported only when a timeline is drawn, and draws with its
+Agg backend into the file, so no display is needed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from elastic.errors import ElasticError
-from elastic.inspect import latest_attempt
+from elastic.inspect import count_attempts, latest_attempt
 
 # kind -> (color, line style, legend label); the order is the legend's.
 MARKS = {
@@ -28,6 +30,7 @@ MARKS = {
     "restart": ("#9467bd", "-.", "restart"),
     "checkpoint": ("#7f7f7f", ":", "checkpoint saved"),
 }
+IDLE_LABEL = "not training (waiting, reconfiguring)"
 
 
 class PlotUnavailableError(ElasticError):
@@ -98,12 +101,46 @@ def world_size_series(events: list[dict[str, Any]], start: float) -> tuple[list[
     return times, sizes
 
 
+def metric_series(events: list[dict[str, Any]], start: float,
+                  value: Callable[[dict[str, Any]], Any]) -> tuple[list[float], list[float]]:
+    """(seconds, value) of each `metrics` event with a numeric value; NaN where an attempt or a
+    restarted controller begins, so the line breaks instead of bridging the time nothing ran."""
+    times, values = [], []
+    for event in events:
+        if event["type"] in ("run_started", "controller_restarted") and times:
+            times.append(event["time"] - start)
+            values.append(math.nan)
+        elif event["type"] == "metrics":
+            number = value(event)
+            if isinstance(number, (int, float)) and not isinstance(number, bool):
+                times.append(event["time"] - start)
+                values.append(float(number))
+    return times, values
+
+
+def idle_spans(events: list[dict[str, Any]], start: float) -> list[tuple[float, float]]:
+    """(from, to) seconds in which the controller was not RUNNING: waiting or reconfiguring."""
+    spans, idle_since = [], 0.0
+    for event in events:
+        if event["type"] == "state":
+            running = event["state"] in ("RUNNING", "FINISHED", "FAILED")
+            if running and idle_since is not None:
+                spans.append((idle_since, event["time"] - start))
+                idle_since = None
+            elif not running and idle_since is None:
+                idle_since = event["time"] - start
+    if idle_since is not None:
+        spans.append((idle_since, events[-1]["time"] - start))
+    return spans
+
+
 def describe(events: list[dict[str, Any]], name: str) -> str:
     """The title: run name, steps and wall time, and goodput if the run finished."""
     finished = [e for e in events if e["type"] == "run_finished"]
     failed = [e for e in events if e["type"] == "run_failed"]
     resumed = [e for e in events if e["type"] == "run_resumed"]
-    head = f"{name}: " if name else ""
+    attempts = count_attempts(events)
+    head = (f"{name}: " if name else "") + (f"{attempts} attempts, the last: " if attempts > 1 else "")
     if finished:
         end = finished[-1]
         text = (f"{head}{end['step']} steps in {end.get('wall_s', 0):.0f} s, "
@@ -113,21 +150,19 @@ def describe(events: list[dict[str, Any]], name: str) -> str:
     else:
         text = f"{head}not finished (no run_finished event yet)"
     if resumed:
-        text += f" (resumed from step {resumed[0]['step']})"
+        text += f" (resumed from step {resumed[-1]['step']})"
     return text
 
 
 def draw_timeline(events: list[dict[str, Any]], path: str, name: str = "", all_attempts: bool = False) -> Timeline:
     """Draw the run's timeline into the PNG file `path`; by default the latest attempt only."""
-    Figure, FigureCanvasAgg, Line2D = _matplotlib()
+    Figure, FigureCanvasAgg, Line2D, Patch = _matplotlib()
     if not events:
         raise ElasticError("the run's journal is empty; there is nothing to draw yet")
     events = list(events) if all_attempts else latest_attempt(events)
     start = events[0]["time"]
-    metrics = [e for e in events if e["type"] == "metrics"]
-    metric_times = [e["time"] - start for e in metrics]
-    losses = [(e["time"] - start, e["metrics"]["loss"]) for e in metrics
-              if isinstance(e.get("metrics", {}).get("loss"), (int, float))]
+    speeds = metric_series(events, start, lambda e: e.get("samples_per_s"))
+    losses = metric_series(events, start, lambda e: e.get("metrics", {}).get("loss"))
 
     # A Figure with its own Agg canvas, not pyplot: no global backend switch, nothing to close.
     figure = Figure(figsize=(11, 7), layout="constrained")
@@ -136,21 +171,28 @@ def draw_timeline(events: list[dict[str, Any]], path: str, name: str = "", all_a
 
     times, sizes = world_size_series(events, start)
     size_ax.step(times, sizes, where="post", color="#1f77b4", linewidth=2)
+    spans = idle_spans(events, start)
+    for begin, end in spans:
+        size_ax.axvspan(begin, end, color="#bbbbbb", alpha=0.35, linewidth=0)
     size_ax.set_ylabel("workers")
     size_ax.set_ylim(0, max(sizes) + 0.8)
     size_ax.yaxis.get_major_locator().set_params(integer=True)
 
-    speed_ax.plot(metric_times, [e.get("samples_per_s", 0.0) for e in metrics], color="#1f77b4")
+    # Dots show each sample when there are few, so a short run does not look like a straight line.
+    dots = "." if len(speeds[0]) < 60 else None
+    speed_ax.plot(*speeds, color="#1f77b4", marker=dots)
     speed_ax.set_ylabel("samples/s")
     speed_ax.set_ylim(bottom=0)
 
-    if losses:
-        loss_ax.plot(*zip(*losses), color="#8c564b")
+    if any(not math.isnan(v) for v in losses[1]):
+        loss_ax.plot(*losses, color="#8c564b", marker=dots)
     else:
         loss_ax.text(0.5, 0.5, "no loss reported", transform=loss_ax.transAxes, ha="center", color="gray")
     loss_ax.set_ylabel("loss")
     loss_ax.set_xlabel("seconds since the run started")
-    loss_ax.set_xlim(0, max(events[-1]["time"] - start, 1.0))
+    # A little room past the last event, so marks at the very end are not hidden by the frame.
+    end = max(events[-1]["time"] - start, 1.0)
+    loss_ax.set_xlim(0, end * 1.02)
 
     marks = collect_marks(events, start)
     handles = []
@@ -161,6 +203,8 @@ def draw_timeline(events: list[dict[str, Any]], path: str, name: str = "", all_a
                 ax.axvline(t, color=color, linestyle=style, linewidth=1.2, alpha=0.8)
         count = f" ×{len(seconds)}" if len(seconds) > 1 else ""
         handles.append(Line2D([], [], color=color, linestyle=style, label=f"{label}{count}"))
+    if spans:
+        handles.append(Patch(color="#bbbbbb", alpha=0.35, label=IDLE_LABEL))
     for ax in (size_ax, speed_ax, loss_ax):
         ax.grid(True, alpha=0.3)
     if handles:
@@ -176,9 +220,10 @@ def _matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
     except ImportError:
         raise PlotUnavailableError(
             "drawing a timeline needs matplotlib, which is not installed; install it with "
             "pip install 'elastic[plot]'"
         ) from None
-    return Figure, FigureCanvasAgg, Line2D
+    return Figure, FigureCanvasAgg, Line2D, Patch

@@ -25,7 +25,7 @@ from elastic.config import DataConfig, RunConfig, ScalingConfig, check_fits
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
 from elastic.events import read_events
 from elastic.faults import Fault, check_faults
-from elastic.progress import ProgressLine
+from elastic.display import ProgressDisplay
 from elastic.storage import RunStorage
 
 STATUS_POLL_S = 0.5
@@ -105,7 +105,7 @@ class ElasticTrainer:
             get_if_exists=False,
         ).remote(spec)
         run_ref = controller.run.remote()
-        line = ProgressLine() if self.show_progress else None
+        line = ProgressDisplay() if self.show_progress else None
         try:
             while not ray.wait([run_ref], timeout=STATUS_POLL_S)[0]:
                 if line:
