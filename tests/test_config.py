@@ -133,3 +133,19 @@ def test_a_hang_floor_above_its_ceiling_is_rejected():
 
     with pytest.raises(ValidationError, match=r"hang_floor_s\(100.0\) > hang_ceiling_s\(10.0\)"):
         FailureConfig(hang_floor_s=100, hang_ceiling_s=10)
+
+
+def test_a_storage_filesystem_that_is_not_a_pyarrow_filesystem_is_rejected():
+    with pytest.raises(ValidationError, match="storage_filesystem is a str, not a pyarrow.fs.FileSystem"):
+        RunConfig(name="x", storage_path="/tmp", storage_filesystem="s3")
+
+
+def test_resuming_from_a_folder_that_is_not_a_checkpoint_fails_before_anything_starts(tmp_path):
+    from elastic.checkpoint import CheckpointError
+
+    (tmp_path / "not-a-checkpoint").mkdir()
+    trainer = _trainer(
+        run_config=RunConfig(name="x", storage_path=str(tmp_path)), resume_from=str(tmp_path / "not-a-checkpoint")
+    )
+    with pytest.raises(CheckpointError, match="has no manifest.json: the checkpoint was never completed"):
+        trainer.fit()

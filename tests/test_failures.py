@@ -69,3 +69,15 @@ def test_more_workers_than_the_cluster_could_ever_host_is_rejected_before_starti
     trainer = _trainer(tmp_path, "too-big", ScalingConfig(min_workers=3, max_workers=3, resources_per_worker={"CPU": 2}))
     with pytest.raises(ElasticError, match=r"CPU=4 in all, enough for 2 workers"):
         trainer.fit()
+
+
+def test_asking_for_gpus_on_a_cluster_without_any_is_rejected_before_starting(local_ray, tmp_path):
+    trainer = _trainer(tmp_path, "no-gpus", ScalingConfig(min_workers=1, max_workers=2, use_gpu=True))
+    with pytest.raises(ElasticError, match=r"GPU=0 in all, enough for 0 workers"):
+        trainer.fit()
+
+
+def test_an_empty_dataset_fails_the_run_with_a_message_naming_it(local_ray, tmp_path):
+    trainer = _trainer(tmp_path, "empty", ScalingConfig(min_workers=1, max_workers=1), num_samples=0)
+    with pytest.raises(TrainingFailedError, match=r"the dataset has 0 samples, fewer than global_batch_size\(64\)"):
+        trainer.fit()

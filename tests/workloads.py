@@ -57,7 +57,7 @@ def _tensors(value):
 
 def regression_loop(config: dict) -> dict:
     ctx = elastic.get_context()
-    dataset = regression_data()
+    dataset = regression_data(config.get("num_samples", NUM_SAMPLES))
     model = ctx.prepare_model(build_mlp(config.get("hidden", 32)))
     optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     epochs = -(-config["max_steps"] // STEPS_PER_EPOCH)
