@@ -15,8 +15,9 @@ one torch thread per worker process. Measured:
 
 Each system runs in its own subprocess (and Ray session) per round, so a hang or a crash in
 one cannot skew the next. The systems take turns for `--rounds` rounds and each figure is
-the median of its round medians, so a burst of load on the machine hits every system alike;
-the recovery runs happen in the first round. The JSON lands in benchmarks/results/bench.json
+the median of its round medians, so a burst of load on the machine hits every system alike.
+The recovery runs, and Ray Train's reporting run (each of its steps lasts one poll of its
+controller, ~2 s, so a repeat costs minutes and tells nothing new), happen in the first round. The JSON lands in benchmarks/results/bench.json
 unless --out says otherwise; a short table is printed.
 """
 
@@ -30,6 +31,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -57,13 +59,17 @@ LOG_TAIL_LINES = 40
 @dataclasses.dataclass(frozen=True)
 class Plan:
     steps: int
-    """Steps of each steady run, and of elastic's reporting run."""
+    """Steps of each steady run, reporting or not; Ray Train's reporting run excepted."""
     ray_report_steps: int
     """Steps of Ray Train's reporting run: each reporting step waits for a poll (~2 s), so fewer."""
     rounds: int
+    """Turns each system takes; the steady figures are medians over the rounds."""
     recovery_steps: int
+    """Steps of each recovery run; a few past the kill suffice."""
     kill_step: int
+    """Step at whose start rank 1 dies, in both recovery runs."""
     ray_checkpoint_every: int
+    """Steps between Ray Train's checkpoints in its recovery run."""
     timeout_s: float
     """Limit on one system's subprocess in one round."""
 
@@ -71,7 +77,7 @@ class Plan:
 # Ray Train checkpoints every 10 steps: each checkpoint is a report, and reports wait for the
 # controller's poll, so checkpointing every step would make every step last ~2 s. The kill
 # lands mid-way between two checkpoints, where a crash falls on average.
-FULL = Plan(steps=400, ray_report_steps=50, rounds=2, recovery_steps=80, kill_step=65, ray_checkpoint_every=10,
+FULL = Plan(steps=400, ray_report_steps=50, rounds=3, recovery_steps=80, kill_step=65, ray_checkpoint_every=10,
             timeout_s=420.0)
 QUICK = Plan(steps=80, ray_report_steps=26, rounds=1, recovery_steps=30, kill_step=25, ray_checkpoint_every=10,
              timeout_s=240.0)
@@ -83,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         _measure_in_this_process(args.measure, json.loads(args.params), args.result)
         return 0
     plan = QUICK if args.quick else FULL
-    if args.steps:
+    if args.steps is not None:
         plan = dataclasses.replace(plan, steps=args.steps)
-    if args.rounds:
+    if args.rounds is not None:
         plan = dataclasses.replace(plan, rounds=args.rounds)
     log_dir = tempfile.mkdtemp(prefix="bench-logs-")
     started = time.time()
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_index in range(plan.rounds):
         for system in SYSTEMS:
             label = f"{system}-round{round_index}"
-            params = {**plan.__dict__, "recover": round_index == 0}
+            params = {**plan.__dict__, "first_round": round_index == 0}
             outcome = _measure_in_subprocess(label, system, params, plan.timeout_s, log_dir)
             if "error" in outcome:
                 errors[label] = outcome["error"]
@@ -141,7 +147,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--params", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.steps is not None and args.steps <= workload.WARMUP_STEPS + 1:
+        parser.error(f"--steps({args.steps}) must exceed the warm-up of {workload.WARMUP_STEPS} steps by at least 2")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds({args.rounds}) must be at least 1")
+    return args
 
 
 def _measure_in_subprocess(label: str, name: str, params: dict[str, Any], timeout_s: float,
@@ -159,10 +170,14 @@ def _measure_in_subprocess(label: str, name: str, params: dict[str, Any], timeou
     print(f"[bench] {label} ...", end="", flush=True)
     began = time.time()
     with open(log_path, "w") as log:
+        # A session of its own, so that a timeout also ends the Ray processes the child started.
+        child = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
         try:
-            code = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=timeout_s).returncode
+            code = child.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            _kill_session(child.pid)
+            child.wait()
             code = None
     took = time.time() - began
     if code == 0 and os.path.exists(result_path):
@@ -176,6 +191,21 @@ def _measure_in_subprocess(label: str, name: str, params: dict[str, Any], timeou
     return {"error": f"{why}; log: {log_path}"}
 
 
+def _kill_session(session_id: int) -> None:
+    """SIGKILL every process of a session this script started; Ray workers sit in process groups of their own."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # Fields after the parenthesised command name: state, ppid, pgrp, session, ...
+                session = int(f.read().rsplit(")", 1)[1].split()[3])
+            if session == session_id:
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, IndexError, ValueError):
+            continue
+
+
 def _measure_in_this_process(system: str, params: dict[str, Any], result_path: str) -> None:
     torch.set_num_threads(1)
     if system == "torch_ddp":
@@ -187,7 +217,7 @@ def _measure_in_this_process(system: str, params: dict[str, Any], result_path: s
 
 
 def _measure_on_ray(system: str, params: dict[str, Any]) -> dict[str, Any]:
-    """One system's steady, reporting and (if asked) recovery runs, in one Ray session."""
+    """One system's runs of one round, in one Ray session; some only in the first round."""
     if system == "ray_train":
         runs = {
             "steady": lambda: ray_train.steady(params["steps"], report=False, storage=storage),
@@ -195,19 +225,22 @@ def _measure_on_ray(system: str, params: dict[str, Any]) -> dict[str, Any]:
             "recovery": lambda: ray_train.recovery(params["recovery_steps"], params["kill_step"],
                                                    params["ray_checkpoint_every"], storage),
         }
+        once = ("report", "recovery")
     elif system == "elastic":
         runs = {
             "steady": lambda: elastic_run.steady(params["steps"], report=False, storage=storage),
             "report": lambda: elastic_run.steady(params["steps"], report=True, storage=storage),
             "recovery": lambda: elastic_run.recovery(params["recovery_steps"], params["kill_step"], storage),
         }
+        once = ("recovery",)
     else:
         raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
-    if not params["recover"]:
-        del runs["recovery"]
+    if not params["first_round"]:
+        runs = {name: run for name, run in runs.items() if name not in once}
     storage = tempfile.mkdtemp(prefix=f"bench-{system}-")
     began = time.time()
-    ray.init()
+    # "local" starts a fresh instance even when a cluster from `ray start` runs on this machine.
+    ray.init(address="local")
     result: dict[str, Any] = {"wall_s": {"ray_init": time.time() - began}}
     try:
         for name, run in runs.items():
