@@ -1,0 +1,135 @@
+"""The files in clusters/: launcher configs pass Ray's own checks, the RayJob has what KubeRay needs.
+
+Each launcher config goes through what `ray up` does before it talks to a cloud:
+`prepare_config` (merge with the provider's defaults) and then `validate_config` (Ray's
+`ray-schema.json`, through jsonschema, plus its cross-field checks). Broken copies must be
+rejected, so the check is known to bite. No network and no cloud credentials are needed.
+"""
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import pytest
+import ray
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+CLUSTERS = Path(__file__).resolve().parents[1] / "clusters"
+REPO = CLUSTERS.parent
+# Every cluster launcher config in clusters/ (they have a `provider`), so a new one is checked too.
+LAUNCHER_CONFIGS = sorted(p.name for p in CLUSTERS.glob("*.yaml") if "provider" in yaml.safe_load(p.read_text()))
+KUBERAY_MANIFESTS = sorted(p.name for p in CLUSTERS.glob("*.yaml") if "apiVersion" in yaml.safe_load(p.read_text()))
+GPU_WORKER = "gpu_worker"
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _load(name: str) -> dict:
+    return yaml.safe_load((CLUSTERS / name).read_text())
+
+
+def _ray_up_checks(config: dict) -> None:
+    """The offline part of `ray up`: fill in the provider's defaults, then validate."""
+    validate_config(prepare_config(copy.deepcopy(config)))
+
+
+def _misspell_a_node_type_field(config):
+    node_type = config["available_node_types"][GPU_WORKER]
+    node_type["min_worker"] = node_type.pop("min_workers")
+
+
+def _ask_for_more_nodes_than_the_cluster_allows(config):
+    config["available_node_types"][GPU_WORKER]["min_workers"] = config["max_workers"] + 1
+
+
+def _name_a_missing_head_type(config):
+    config["head_node_type"] = "no_such_type"
+
+
+def _give_a_fractional_gpu_count(config):
+    config["available_node_types"][GPU_WORKER]["resources"]["GPU"] = 0.5
+
+
+def test_every_cluster_file_is_a_checked_launcher_config_or_kuberay_manifest():
+    assert LAUNCHER_CONFIGS == ["aws.yaml", "gcp.yaml"]
+    assert KUBERAY_MANIFESTS == ["kuberay-rayjob.yaml"]
+    assert sorted(p.name for p in CLUSTERS.glob("*.y*ml")) == sorted(LAUNCHER_CONFIGS + KUBERAY_MANIFESTS)
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_launcher_config_passes_rays_own_validation(name):
+    _ray_up_checks(_load(name))
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+@pytest.mark.parametrize("break_it", [_misspell_a_node_type_field, _ask_for_more_nodes_than_the_cluster_allows,
+                                      _name_a_missing_head_type, _give_a_fractional_gpu_count])
+def test_broken_copy_of_launcher_config_is_rejected(name, break_it):
+    config = _load(name)
+    break_it(config)
+    with pytest.raises((jsonschema.ValidationError, ValueError)):
+        _ray_up_checks(config)
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_gpu_workers_autoscale_between_min_and_max_on_spot_capacity(name):
+    config = _load(name)
+    gpu = config["available_node_types"][GPU_WORKER]
+    assert 0 < gpu["min_workers"] < gpu["max_workers"] <= config["max_workers"]
+    assert gpu["resources"]["GPU"] >= 1
+    node = gpu["node_config"]
+    if config["provider"]["type"] == "aws":
+        assert node["InstanceMarketOptions"]["MarketType"] == "spot"
+    else:
+        assert node["scheduling"]["preemptible"] is True
+    head = config["available_node_types"][config["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0 and head["resources"]["CPU"] == 0, "workers belong on GPU nodes"
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_every_node_starts_ray_with_token_auth_and_receives_the_token(name):
+    config = _load(name)
+    for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
+        [start] = [c for c in commands if "ray start" in c]
+        assert start.index("RAY_AUTH_MODE=token") < start.index("ray start")
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+
+
+@pytest.mark.parametrize("name", LAUNCHER_CONFIGS)
+def test_nodes_install_the_tested_ray_and_the_files_they_mount_exist(name):
+    config = _load(name)
+    assert any(f"'ray[default]=={ray.__version__}'" in c for c in config["setup_commands"])
+    assert any("download.pytorch.org/whl/cpu" in c for c in config["head_setup_commands"]), "head: CPU torch"
+    assert not any("whl/cpu" in c for c in config["worker_setup_commands"]), "GPU workers: CUDA torch"
+    for remote, local in config["file_mounts"].items():
+        if local.startswith("./"):
+            assert (REPO / local).exists(), f"file_mounts[{remote!r}] = {local!r} is not in the repository"
+
+
+def test_rayjob_runs_train_lm_on_an_autoscaling_gpu_cluster_with_token_auth():
+    job = _load("kuberay-rayjob.yaml")
+    assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
+    spec = job["spec"]
+    assert spec["entrypoint"] == "python examples/train_lm.py"
+    assert (REPO / "examples/train_lm.py").exists()
+    runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
+    assert runtime_env["working_dir"].endswith(".zip"), "the submitter pod needs the code as an archive URL"
+    assert runtime_env["env_vars"]["ELASTIC_CLUSTER_AUTOSCALES"] == "1"
+
+    cluster = spec["rayClusterSpec"]
+    assert cluster["rayVersion"] == ray.__version__
+    assert cluster["authOptions"]["mode"] == "token"
+    assert cluster["enableInTreeAutoscaling"] is True
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    [head_container] = head["template"]["spec"]["containers"]
+    assert head_container["image"].startswith(f"rayproject/ray:{ray.__version__}-")
+    assert "nvidia.com/gpu" not in head_container["resources"]["limits"]
+
+    [gpu_group] = cluster["workerGroupSpecs"]
+    assert 0 < gpu_group["minReplicas"] <= gpu_group["replicas"] <= gpu_group["maxReplicas"]
+    assert gpu_group["minReplicas"] < gpu_group["maxReplicas"], "the worker group must be able to grow"
+    [worker] = gpu_group["template"]["spec"]["containers"]
+    assert worker["image"].startswith(f"rayproject/ray:{ray.__version__}-")
+    assert int(worker["resources"]["limits"]["nvidia.com/gpu"]) >= 1
