@@ -19,6 +19,7 @@ from typing import Any, Callable
 import ray
 import torch.distributed as dist
 from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeLabelSchedulingStrategy, NotIn
 
 from actors.worker import Worker
 from elastic import policies, states
@@ -43,10 +44,39 @@ READY_POLL_S = 3600.0
 # Longer than a worker's own formation timeout, so its failure report arrives first.
 FORM_TIMEOUT_S = 2 * FORMATION_TIMEOUT_S
 MAX_FAILED_FORMATIONS = 5
+STUCK_GRACE_S = 2.0
+NODE_ID_LABEL = "ray.io/node-id"  # a label Ray gives every node
 PING_TIMEOUT_S = 2.0
 TICK_S = 0.5
 FINISH_GRACE_S = 5.0
 START_GRACE_S = 2.0
+
+
+STUCK = {"ok": False, "error": "did not report"}
+
+
+async def _outcomes_until_first_failure(waits: list[Any], grace_s: float) -> list[Any]:
+    """Each member's formation outcome. Once one member reports a failure, the others get
+    `grace_s` more; those still silent then are marked STUCK instead of waited for."""
+    tasks = [asyncio.ensure_future(_settled(w)) for w in waits]
+    pending = set(tasks)
+    timeout = None
+    while pending:
+        done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            break
+        if any(not (isinstance(t.result(), dict) and t.result().get("ok")) for t in done):
+            timeout = grace_s
+    for task in pending:
+        task.cancel()
+    return [t.result() if t.done() and not t.cancelled() else STUCK for t in tasks]
+
+
+async def _settled(ref: Any) -> Any:
+    try:
+        return await ref
+    except Exception as exc:  # a dead member's call fails; that is an outcome too
+        return {"ok": False, "error": f"{type(exc).__name__}"}
 
 
 @dataclass
@@ -98,6 +128,7 @@ class Controller:
         self.failures = 0
         self.failed_formations = 0
         self.formed_at = time.time()
+        self.node_failures: dict[str, list[float]] = {}
         self.latest_checkpoint: Checkpoint | None = None
         self.shards: dict[tuple[int, int], list[dict[str, Any]]] = {}
         self.failure_time: float | None = None
@@ -220,9 +251,10 @@ class Controller:
             return
         kind = "app_error" if outcome else "death"
         cause = outcome["error"] if outcome else error
-        if not record.evicted_for:  # an eviction already logged its own worker_failed
+        if not record.evicted_for:  # an eviction already logged its own worker_failed (and node failure)
             self.journal.emit("worker_failed", worker_id=worker_id, rank=rank, node=record.node_id, pid=record.pid,
                               kind=kind, cause=cause, generation=self.generation)
+            self._note_node_failure(record.node_id)
         if kind == "death" and was_member and len(self.members) == 1:
             kind = "all_lost"
         if kind != "death":
@@ -262,10 +294,17 @@ class Controller:
         self._start_workers()
         await self._reconcile()
 
-    async def _on_formed(self, generation: int, outcomes: list[Any]) -> None:
+    async def _on_formed(self, generation: int, members: list[int], outcomes: list[Any]) -> None:
         if not isinstance(self.state, states.Reconfiguring) or self.state.generation != generation:
             return
         failed = [o for o in outcomes if not (isinstance(o, dict) and o.get("ok"))]
+        # A member that never reported is stuck (e.g. in a collective of the old generation, on a
+        # peer that left): it would hold every later formation too, so it goes.
+        for worker_id, outcome in zip(members, outcomes):
+            if outcome is STUCK and self.workers[worker_id].status != "gone":
+                self._evict(worker_id, "stuck", f"did not report on forming generation {generation} while "
+                            "its peers had given up on it")
+                self.members.remove(worker_id)
         if failed:
             self.failed_formations += 1
             if self.failed_formations > MAX_FAILED_FORMATIONS:
@@ -349,6 +388,19 @@ class Controller:
             for times in self.progress.compute.values():
                 times.clear()  # judge the next generation on its own steps
 
+    def _note_node_failure(self, node_id: str) -> None:
+        if not node_id:
+            return
+        now = time.time()
+        config = self.spec.run.failure_config
+        before = policies.nodes_to_avoid(self.node_failures, now, config.node_failure_limit, config.node_cooldown_s)
+        self.node_failures.setdefault(node_id, []).append(now)
+        after = policies.nodes_to_avoid(self.node_failures, now, config.node_failure_limit, config.node_cooldown_s)
+        for node in after - before:
+            self.journal.emit("decision", action="AVOID_NODE", node=node, reason=(
+                f"{config.node_failure_limit} worker failures on node {node} within "
+                f"FailureConfig(node_cooldown_s={config.node_cooldown_s}); new workers avoid it until then"))
+
     async def _progress_of(self, worker_id: int) -> tuple[int, int] | None:
         try:
             answer = await asyncio.wait_for(self.workers[worker_id].handle.progress.remote(), PING_TIMEOUT_S)
@@ -360,6 +412,7 @@ class Controller:
         """Kill a live member; its death then heals like any other."""
         record = self.workers[worker_id]
         record.evicted_for = kind
+        self._note_node_failure(record.node_id)
         self.journal.emit("worker_failed", worker_id=worker_id, rank=self.members.index(worker_id),
                           node=record.node_id, pid=record.pid, kind=kind, cause=cause, generation=self.generation,
                           **fields)
@@ -406,8 +459,8 @@ class Controller:
         waits = [self.workers[w].handle.wait_formed.remote(generation, FORM_TIMEOUT_S) for w in members]
 
         async def collect() -> None:
-            outcomes = await asyncio.gather(*waits, return_exceptions=True)
-            self.inbox.put_nowait(("formed", generation, list(outcomes)))
+            outcomes = await _outcomes_until_first_failure(waits, STUCK_GRACE_S)
+            self.inbox.put_nowait(("formed", generation, list(members), outcomes))
 
         asyncio.ensure_future(collect())
 
@@ -431,9 +484,13 @@ class Controller:
         resources = dict(self.spec.scaling.worker_resources())
         num_cpus, num_gpus = resources.pop("CPU", 0), resources.pop("GPU", 0)
         me = ray.get_runtime_context().current_actor
+        config = self.spec.run.failure_config
+        avoid = policies.nodes_to_avoid(self.node_failures, time.time(), config.node_failure_limit, config.node_cooldown_s)
+        placement = NodeLabelSchedulingStrategy(hard={NODE_ID_LABEL: NotIn(*sorted(avoid))}) if avoid else None
         for _ in range(policies.workers_to_start(live, self.spec.scaling.max_workers)):
             worker_id = len(self.workers)
-            handle = Worker.options(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, max_restarts=0).remote(
+            handle = Worker.options(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, max_restarts=0,
+                                    scheduling_strategy=placement).remote(
                 worker_id, me, self.spec.data, self.spec.run.checkpoint_config, self.storage, self.spec.faults,
                 self.spec.scaling.use_gpu, num_cpus,
             )

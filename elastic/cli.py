@@ -32,7 +32,7 @@ from elastic.demo.train import DemoConfig, default_fault, run_demo
 from elastic.errors import ElasticError
 from elastic.events import EVENT_TYPES
 from elastic.faults import Fault, parse_fault
-from elastic.inspect import (
+from elastic.run_view import (
     Run,
     checkpoints_uri,
     format_age,

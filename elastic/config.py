@@ -115,6 +115,10 @@ class FailureConfig(_Frozen):
         "None (the default) never evicts."
     )
     straggler_steps: int = Field(20, gt=0, description="Consecutive slow steps before a straggler is evicted.")
+    node_failure_limit: int = Field(
+        3, gt=0, description="Worker failures on one node, within node_cooldown_s, after which new workers avoid it."
+    )
+    node_cooldown_s: float = Field(300.0, gt=0, description="How long a node that crash-loops is avoided.")
 
     @model_validator(mode="after")
     def _check(self) -> "FailureConfig":

@@ -21,7 +21,7 @@ import torch.distributed as dist
 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
 
 # How long the members of a new generation wait for each other before giving up on it.
-FORMATION_TIMEOUT_S = 30.0
+FORMATION_TIMEOUT_S = 10.0
 
 # Substrings of errors raised when a peer of a collective is gone. gloo raises plain
 # RuntimeErrors, so the message is all there is to tell a broken group from a user bug.

@@ -138,3 +138,12 @@ def find_straggler(
                 f"{steps} steps, above FailureConfig(straggler_factor={factor})"
             )
     return None
+
+
+def nodes_to_avoid(failures: dict[str, list[float]], now: float, limit: int, cooldown_s: float) -> set[str]:
+    """Nodes where workers failed at least `limit` times in the last `cooldown_s` seconds.
+
+    New workers are kept off them until the failures age out, so a rank that crash-loops
+    because of its machine is not restarted there forever.
+    """
+    return {node for node, times in failures.items() if sum(now - t <= cooldown_s for t in times) >= limit}

@@ -78,7 +78,8 @@ class ProgressTracker:
     def sample(self) -> dict[str, Any] | None:
         """A metrics event's fields, at most every METRICS_EVENT_INTERVAL_S."""
         now = time.time()
-        if now - self._last_sample < METRICS_EVENT_INTERVAL_S or self.step == 0:
+        # Throughput needs two steps in its window; until then there is nothing honest to say.
+        if now - self._last_sample < METRICS_EVENT_INTERVAL_S or len(self._recent) < 2:
             return None
         self._last_sample = now
         return {"step": self.step, "samples_per_s": self.samples_per_s(), "metrics": self.last_metrics}

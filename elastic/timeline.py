@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from elastic.errors import ElasticError
-from elastic.inspect import count_attempts, latest_attempt
+from elastic.run_view import count_attempts, latest_attempt
 
 # kind -> (color, line style, legend label); the order is the legend's.
 MARKS = {

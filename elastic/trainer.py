@@ -113,6 +113,8 @@ class ElasticTrainer:
                     # While Ray restarts a dead controller, status waits; the line just pauses.
                     if ray.wait([status_ref, run_ref], timeout=STATUS_POLL_S * 4)[0] == [status_ref]:
                         line.show(ray.get(status_ref))
+            if line:
+                line.show(ray.get(controller.status.remote()))  # the final state, e.g. step 80/80
         finally:
             if line:
                 line.close()

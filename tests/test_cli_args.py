@@ -26,6 +26,7 @@ def runs(monkeypatch):
             ],
             "recoveries": [{"seconds": 0.4, "steps_lost": 1}], "goodput": 0.8,
             "first_loss": 4.9, "final_loss": 2.3, "loss_curve": [], "faults": [f.spec() for f in config.faults],
+            "checkpoint": None, "resumed_from_step": None,
         }
 
     monkeypatch.setattr(cli, "run_demo", fake_run_demo)

@@ -9,7 +9,7 @@ import pytest
 from elastic import cli
 from elastic.checkpoint import MANIFEST, step_dir, write_manifest
 from elastic.events import EventJournal, make_event
-from elastic.inspect import RECENT_EVENTS, list_checkpoints, open_run, run_status
+from elastic.run_view import RECENT_EVENTS, list_checkpoints, open_run, run_status
 from elastic.storage import RunStorage
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from elastic import DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig
+from elastic import DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
 from workloads import GLOBAL_BATCH, STEPS_PER_EPOCH, regression_loop
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster]
@@ -101,3 +101,27 @@ def test_a_node_loss_fault_takes_down_the_node_of_its_rank_and_the_rest_carry_on
     assert {e["worker_id"] for e in result.events_of("worker_failed")} == on_lost_node
     assert all(m["node"] != lost_node for m in result.events_of("generation_formed")[-1]["members"])
     assert bool((result.value["ledger"] == 1).all())
+
+
+def test_new_workers_avoid_a_node_where_workers_keep_failing(cluster, tmp_path):
+    cluster, _ = cluster
+    cluster.add_node(num_cpus=2)  # room elsewhere, so the replacement has somewhere else to go
+    trainer = ElasticTrainer(
+        regression_loop,
+        train_loop_config={"max_steps": MAX_STEPS // 2},
+        # min_workers=2: the run waits for the replacement, so where it lands is always seen.
+        scaling_config=ScalingConfig(min_workers=2, max_workers=2),
+        run_config=RunConfig(
+            name="avoid-node", storage_path=str(tmp_path),
+            failure_config=FailureConfig(node_failure_limit=1, node_cooldown_s=600),
+        ),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=MAX_STEPS // 2),
+        faults=[Fault(kind="kill", rank=0, step=10)],
+        show_progress=False,
+    )
+    result = trainer.fit()
+    [failed] = result.events_of("worker_failed")
+    [avoid] = [e for e in result.events_of("decision") if e["action"] == "AVOID_NODE"]
+    assert avoid["node"] == failed["node"]
+    replacements = [e for e in result.events_of("worker_started") if e["time"] > failed["time"]]
+    assert replacements and all(e["node"] != failed["node"] for e in replacements)

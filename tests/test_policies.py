@@ -69,3 +69,11 @@ def test_a_straggler_is_a_member_slower_than_the_others_in_every_recent_step():
     assert member == 1 and "straggler_factor=3" in reason
     assert find_straggler({0: steady, 1: slow, 2: steady}, factor=3, steps=6) is None  # not slow for 6 steps yet
     assert find_straggler({0: steady, 1: steady}, factor=3, steps=5) is None
+
+
+def test_a_node_is_avoided_after_repeated_failures_until_they_age_out():
+    from elastic.policies import nodes_to_avoid
+
+    failures = {"a": [100.0, 150.0, 190.0], "b": [190.0]}
+    assert nodes_to_avoid(failures, now=200.0, limit=3, cooldown_s=300) == {"a"}
+    assert nodes_to_avoid(failures, now=460.0, limit=3, cooldown_s=300) == set()  # the first failure aged out

@@ -8,7 +8,7 @@ import pytest
 
 from elastic import cli
 from elastic.events import make_event
-from elastic.inspect import open_run
+from elastic.run_view import open_run
 from elastic.timeline import MARKS, PlotUnavailableError, collect_marks, draw_timeline, world_size_series
 from test_cli_inspect import T0, healed_run_events, write_journal
 
