@@ -72,6 +72,10 @@ async def _outcomes_until_first_failure(waits: list[Any], grace_s: float) -> lis
     return [t.result() if t.done() and not t.cancelled() else STUCK for t in tasks]
 
 
+def _alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
 async def _settled(ref: Any) -> Any:
     try:
         return await ref
@@ -189,7 +193,7 @@ class Controller:
         self.progress.note_step(step)
         self.journal.emit("fault_injected", worker_id=worker_id, fault=fault, step=step, attempt=self.spec.attempt,
                           **({"note": note} if note else {}))
-        self.journal.flush()
+        await asyncio.to_thread(self.journal.flush)
         if fault.startswith("controller-kill:"):
             # Die after this call has answered, like a crash: no cleanup. Ray restarts the actor.
             asyncio.get_running_loop().call_later(0.05, os._exit, 1)
@@ -334,7 +338,7 @@ class Controller:
             self.failure_time = None
         self._enter(states.Running(generation), reason)
         self.formed_at = time.time()
-        self.journal.flush()
+        await asyncio.to_thread(self.journal.flush)
         await self._reconcile()
 
     async def _on_tick(self) -> None:
@@ -355,7 +359,7 @@ class Controller:
         sample = self.progress.sample()
         if sample:
             self.journal.emit("metrics", world_size=len(self.members), **sample)
-        self.journal.flush()
+        await asyncio.to_thread(self.journal.flush)
 
     async def _check_hang(self) -> None:
         """Kill the members that stopped the run, once no step committed within the deadline."""
@@ -393,9 +397,12 @@ class Controller:
             return
         now = time.time()
         config = self.spec.run.failure_config
-        before = policies.nodes_to_avoid(self.node_failures, now, config.node_failure_limit, config.node_cooldown_s)
+        alive = _alive_nodes()
+        before = policies.nodes_to_avoid(self.node_failures, now, config.node_failure_limit, config.node_cooldown_s,
+                                         alive)
         self.node_failures.setdefault(node_id, []).append(now)
-        after = policies.nodes_to_avoid(self.node_failures, now, config.node_failure_limit, config.node_cooldown_s)
+        after = policies.nodes_to_avoid(self.node_failures, now, config.node_failure_limit, config.node_cooldown_s,
+                                        alive)
         for node in after - before:
             self.journal.emit("decision", action="AVOID_NODE", node=node, reason=(
                 f"{config.node_failure_limit} worker failures on node {node} within "
@@ -485,7 +492,8 @@ class Controller:
         num_cpus, num_gpus = resources.pop("CPU", 0), resources.pop("GPU", 0)
         me = ray.get_runtime_context().current_actor
         config = self.spec.run.failure_config
-        avoid = policies.nodes_to_avoid(self.node_failures, time.time(), config.node_failure_limit, config.node_cooldown_s)
+        avoid = policies.nodes_to_avoid(self.node_failures, time.time(), config.node_failure_limit,
+                                        config.node_cooldown_s, _alive_nodes())
         placement = NodeLabelSchedulingStrategy(hard={NODE_ID_LABEL: NotIn(*sorted(avoid))}) if avoid else None
         for _ in range(policies.workers_to_start(live, self.spec.scaling.max_workers)):
             worker_id = len(self.workers)

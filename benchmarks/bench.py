@@ -72,15 +72,21 @@ class Plan:
     """Steps between Ray Train's checkpoints in its recovery run."""
     timeout_s: float
     """Limit on one system's subprocess in one round."""
+    checkpoint_steps: int
+    """Steps of elastic's checkpoint run (a checkpoint every 10)."""
+    chaos_steps: int
+    """Steps of elastic's chaos run."""
+    chaos_every_steps: int
+    """Steps between the chaos run's kills (about 10 s of steps here)."""
 
 
 # Ray Train checkpoints every 10 steps: each checkpoint is a report, and reports wait for the
 # controller's poll, so checkpointing every step would make every step last ~2 s. The kill
 # lands mid-way between two checkpoints, where a crash falls on average.
 FULL = Plan(steps=400, ray_report_steps=50, rounds=3, recovery_steps=80, kill_step=65, ray_checkpoint_every=10,
-            timeout_s=420.0)
+            timeout_s=600.0, checkpoint_steps=100, chaos_steps=4200, chaos_every_steps=600)
 QUICK = Plan(steps=80, ray_report_steps=26, rounds=1, recovery_steps=30, kill_step=25, ray_checkpoint_every=10,
-             timeout_s=240.0)
+             timeout_s=360.0, checkpoint_steps=50, chaos_steps=1300, chaos_every_steps=600)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: dict[str, list[float]] = {name: [] for name in STEADY_RUNS}
     counts: dict[str, list[int]] = {name: [] for name in STEADY_RUNS}
     recoveries: dict[str, dict[str, Any]] = {}
+    extras: dict[str, dict[str, Any]] = {}
     walls: dict[str, dict[str, float]] = {}
     for round_index in range(plan.rounds):
         for system in SYSTEMS:
@@ -121,9 +128,12 @@ def main(argv: list[str] | None = None) -> int:
                 counts[name].append(len(gaps))
             if "recovery" in outcome:
                 recoveries[system] = outcome["recovery"]
+            for extra in ("checkpoint", "hang", "chaos"):
+                if extra in outcome:
+                    extras[extra] = outcome[extra]
             if "wall_s" in outcome:
                 walls[label] = outcome["wall_s"]
-    report = _summarise(args, plan, rounds, counts, recoveries, errors, walls, time.time() - started)
+    report = _summarise(args, plan, rounds, counts, recoveries, extras, errors, walls, time.time() - started)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
@@ -231,8 +241,11 @@ def _measure_on_ray(system: str, params: dict[str, Any]) -> dict[str, Any]:
             "steady": lambda: elastic_run.steady(params["steps"], report=False, storage=storage),
             "report": lambda: elastic_run.steady(params["steps"], report=True, storage=storage),
             "recovery": lambda: elastic_run.recovery(params["recovery_steps"], params["kill_step"], storage),
+            "checkpoint": lambda: elastic_run.checkpoint(params["checkpoint_steps"], 10, storage),
+            "hang": lambda: elastic_run.hang(params["recovery_steps"], params["kill_step"], storage),
+            "chaos": lambda: elastic_run.chaos(params["chaos_steps"], params["chaos_every_steps"], storage),
         }
-        once = ("recovery",)
+        once = ("recovery", "checkpoint", "hang", "chaos")
     else:
         raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
     if not params["first_round"]:
@@ -254,8 +267,8 @@ def _measure_on_ray(system: str, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _summarise(args: argparse.Namespace, plan: Plan, rounds: dict[str, list[float]], counts: dict[str, list[int]],
-               recoveries: dict[str, dict[str, Any]], errors: dict[str, str], walls: dict[str, dict[str, float]],
-               wall_s: float) -> dict[str, Any]:
+               recoveries: dict[str, dict[str, Any]], extras: dict[str, dict[str, Any]], errors: dict[str, str],
+               walls: dict[str, dict[str, float]], wall_s: float) -> dict[str, Any]:
     median = {name: statistics.median(values) if values else None for name, values in rounds.items()}
     elastic_recovery = recoveries.get("elastic", {})
     ray_recovery = recoveries.get("ray_train", {})
@@ -268,6 +281,16 @@ def _summarise(args: argparse.Namespace, plan: Plan, rounds: dict[str, list[floa
         "ray_train_report_every_step_ratio": _ratio(median["ray_train_report"], median["ray_train"]),
         "ray_train_recovery_s": ray_recovery.get("recovery_s"),
         "ray_train_steps_lost": ray_recovery.get("steps_lost"),
+        "checkpoint_stall_s": extras.get("checkpoint", {}).get("stall_s"),
+        "checkpoint_stall_ratio_vs_plain_copy": extras.get("checkpoint", {}).get("stall_ratio_vs_plain_copy"),
+        "checkpoint_write_mb_s": extras.get("checkpoint", {}).get("write_mb_s"),
+        "checkpoint_write_ratio_vs_plain_pyarrow": extras.get("checkpoint", {}).get("write_ratio_vs_plain_pyarrow"),
+        "hang_detect_s": extras.get("hang", {}).get("hang_detect_s"),
+        "hang_detect_in_steps": extras.get("hang", {}).get("detect_in_steps"),
+        "goodput_chaos": extras.get("chaos", {}).get("goodput"),
+        "checkpoint": extras.get("checkpoint"),
+        "hang": extras.get("hang"),
+        "chaos": extras.get("chaos"),
         "median_step_s": median,
         "round_median_step_s": rounds,
         "round_steady_steps": counts,
@@ -338,6 +361,13 @@ def _print_table(report: dict[str, Any]) -> None:
     for name, step_s, vs_torch, report_x, recovery_s, lost in rows:
         print(f"{name:<18}{_fmt(step_s, 1000, '.2f'):>9}{_fmt(vs_torch, 1, '.3f'):>10}{_fmt(report_x, 1, '.3f'):>10}"
               f"{_fmt(recovery_s, 1, '.2f'):>12}{_fmt(lost, 1, 'd'):>12}")
+    print(f"\nelastic checkpoint stall {_fmt(report['checkpoint_stall_s'], 1000, '.2f')} ms "
+          f"({_fmt(report['checkpoint_stall_ratio_vs_plain_copy'], 1, '.2f')}x a plain copy); write "
+          f"{_fmt(report['checkpoint_write_mb_s'], 1, '.0f')} MB/s "
+          f"({_fmt(report['checkpoint_write_ratio_vs_plain_pyarrow'], 1, '.2f')}x a plain pyarrow write)")
+    print(f"elastic hang detected after {_fmt(report['hang_detect_s'], 1, '.2f')} s "
+          f"({_fmt(report['hang_detect_in_steps'], 1, '.0f')} median steps); goodput with a kill about every 10 s: "
+          f"{_fmt(report['goodput_chaos'], 1, '.3f')}")
 
 
 def _fmt(value: float | int | None, scale: float, spec: str) -> str:

@@ -7,10 +7,14 @@ surviving worker returned, so a killed rank never has to hand anything back.
 
 from __future__ import annotations
 
+import os
+import statistics
+import tempfile
 import time
 import uuid
 from typing import Any
 
+import pyarrow.fs as pafs
 import torch
 
 import elastic
@@ -49,12 +53,82 @@ def recovery(steps: int, kill_step: int, storage: str) -> dict[str, Any]:
     }
 
 
-def _fit(config: dict[str, Any], steps: int, faults: list[elastic.Fault], storage: str) -> elastic.Result:
+def checkpoint(steps: int, every: int, storage: str) -> dict[str, Any]:
+    """Checkpoints every `every` steps: the stall against a plain CPU copy of the same state,
+    and the write throughput against a plain pyarrow.fs write of the same number of bytes."""
+    result = _fit({"report": False}, steps, [], storage, checkpoint_every=every)
+    saved = result.events_of("checkpoint_saved")
+    stall_s = statistics.median(e["stall_s"] for e in saved)
+    upload_s = statistics.median(e["upload_s"] for e in saved)
+    size = saved[-1]["bytes"]
+    model = workload.make_model()
+    copies = []
+    for _ in range(9):
+        began = time.perf_counter()
+        {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        copies.append(time.perf_counter() - began)
+    data = os.urandom(size)
+    folder = tempfile.mkdtemp(prefix="bench-plain-write-")
+    writes = []
+    for i in range(5):
+        began = time.perf_counter()
+        with pafs.LocalFileSystem().open_output_stream(f"{folder}/copy-{i}") as out:
+            out.write(data)
+        writes.append(time.perf_counter() - began)
+    plain_copy_s, plain_write_s = statistics.median(copies), statistics.median(writes)
+    return {
+        "checkpoints": len(saved),
+        "bytes": size,
+        "stall_s": stall_s,
+        "plain_copy_s": plain_copy_s,
+        "stall_ratio_vs_plain_copy": stall_s / plain_copy_s,
+        "write_mb_s": size / 1e6 / upload_s,
+        "plain_write_mb_s": size / 1e6 / plain_write_s,
+        "write_ratio_vs_plain_pyarrow": plain_write_s / upload_s,
+    }
+
+
+def hang(steps: int, hang_step: int, storage: str) -> dict[str, Any]:
+    """Rank 1 hangs inside its all-reduce at `hang_step`; how long until the controller kills it."""
+    failure = elastic.FailureConfig(hang_floor_s=1.0, hang_factor=20)
+    result = _fit({"report": False}, steps, [elastic.Fault(kind="hang", rank=1, step=hang_step)], storage,
+                  failure=failure)
+    [hung] = [e for e in result.events_of("worker_failed") if e["kind"] == "hang"]
+    gaps = workload.steady_gaps([s for s in result.value if s["step"] < hang_step])
+    step_s = statistics.median(gaps) if gaps else None
+    return {"hang_detect_s": hung["detect_s"], "deadline_s": hung["deadline_s"], "median_step_s": step_s,
+            "detect_in_steps": hung["detect_s"] / step_s if step_s else None, "config": failure.model_dump()}
+
+
+def chaos(steps: int, every_steps: int, storage: str) -> dict[str, Any]:
+    """A kill of rank 0 every `every_steps` steps (about every 10 s here); the run's goodput."""
+    faults = [elastic.Fault(kind="kill", rank=0, step=s) for s in range(every_steps, steps, every_steps)]
+    result = _fit({"report": False}, steps, faults, storage, checkpoint_every=every_steps // 3,
+                  failure=elastic.FailureConfig(max_failures=len(faults)))
+    finished = result.events_of("run_finished")[-1]
+    first_step = result.events_of("generation_formed")[0]["time"]
+    productive_s = result.goodput * finished["wall_s"]
+    return {
+        "faults": len(faults),
+        "recoveries": [{k: e[k] for k in ("seconds", "steps_lost", "from_checkpoint")} for e in result.events_of("recovery")],
+        "wall_s": finished["wall_s"],
+        "goodput": productive_s / (finished["time"] - first_step),
+        "goodput_including_startup": result.goodput,
+        "seconds_between_faults": (finished["time"] - first_step) / (len(faults) + 1),
+    }
+
+
+def _fit(config: dict[str, Any], steps: int, faults: list[elastic.Fault], storage: str,
+         checkpoint_every: int | None = None, failure: elastic.FailureConfig | None = None) -> elastic.Result:
     trainer = elastic.ElasticTrainer(
         _train_loop,
         train_loop_config=config,
         scaling_config=elastic.ScalingConfig(min_workers=1, max_workers=workload.WORLD_SIZE),
-        run_config=elastic.RunConfig(name=f"bench-{uuid.uuid4().hex[:8]}", storage_path=storage),
+        run_config=elastic.RunConfig(
+            name=f"bench-{uuid.uuid4().hex[:8]}", storage_path=storage,
+            checkpoint_config=elastic.CheckpointConfig(every_steps=checkpoint_every),
+            failure_config=failure or elastic.FailureConfig(),
+        ),
         data_config=elastic.DataConfig(
             global_batch_size=workload.GLOBAL_BATCH, micro_batch_size=workload.MICRO_BATCH, max_steps=steps,
             seed=workload.SEED,

@@ -50,6 +50,7 @@ class EventJournal:
         self._storage = storage
         self._events: list[dict[str, Any]] = list(existing)
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         self._dirty = False
 
     def emit(self, type: str, **fields: Any) -> dict[str, Any]:
@@ -65,12 +66,14 @@ class EventJournal:
             return list(self._events)
 
     def flush(self) -> None:
-        with self._lock:
-            if not self._dirty:
-                return
-            text = "".join(json.dumps(e, default=str) + "\n" for e in self._events)
-            self._dirty = False
-        self._storage.write_text_atomic(self.FILE, text)
+        # One writer at a time, so an older snapshot never lands after a newer one.
+        with self._write_lock:
+            with self._lock:
+                if not self._dirty:
+                    return
+                text = "".join(json.dumps(e, default=str) + "\n" for e in self._events)
+                self._dirty = False
+            self._storage.write_text_atomic(self.FILE, text)
 
 
 def read_events(storage: RunStorage) -> list[dict[str, Any]]:

@@ -140,10 +140,15 @@ def find_straggler(
     return None
 
 
-def nodes_to_avoid(failures: dict[str, list[float]], now: float, limit: int, cooldown_s: float) -> set[str]:
-    """Nodes where workers failed at least `limit` times in the last `cooldown_s` seconds.
+def nodes_to_avoid(
+    failures: dict[str, list[float]], now: float, limit: int, cooldown_s: float, alive: set[str]
+) -> set[str]:
+    """Live nodes where workers failed at least `limit` times in the last `cooldown_s` seconds.
 
     New workers are kept off them until the failures age out, so a rank that crash-loops
-    because of its machine is not restarted there forever.
+    because of its machine is not restarted there forever. A node is never avoided when it
+    would leave no live node at all: a crash loop there beats no workers anywhere.
     """
-    return {node for node, times in failures.items() if sum(now - t <= cooldown_s for t in times) >= limit}
+    flaky = {node for node, times in failures.items() if sum(now - t <= cooldown_s for t in times) >= limit}
+    avoid = flaky & alive
+    return set() if avoid >= alive else avoid

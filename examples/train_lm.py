@@ -1,14 +1,16 @@
 """The `elastic demo` as a plain driver script: a byte-level LM on Python's stdlib, 2-3 workers.
 
     python examples/train_lm.py                                         # local Ray on this machine
-    ray job submit --working-dir . -- python examples/train_lm.py       # on a running Ray cluster
+    ray job submit --working-dir . -- python examples/train_lm.py \
+        --use-gpu --storage-path s3://bucket/runs                       # on a running Ray cluster
 
 The corpus (Python's standard-library source as byte windows in Parquet) and the model come
 from `elastic.demo`; the train loop and the trainer set-up are spelled out here. Rank 1 is
 killed at step 75: the survivors heal in place, and the run grows back to 3 workers once Ray
-has started a replacement. Empty FAULTS to train without it.
+has started a replacement (`--no-fault` trains without it).
 """
 
+import argparse
 import os
 
 import ray
@@ -16,16 +18,12 @@ import torch
 import torch.nn.functional as F
 
 import elastic
-from elastic import DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig
+from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig
 from elastic.demo import ModelConfig, TinyLM, prepare_corpus
 from elastic.demo.corpus import VOCAB_SIZE
 
 SEQ_LEN = 128
-STEPS = 300
-FAULTS = [Fault(kind="kill", rank=1, step=75)]
-# Under `ray job submit` the working directory is a temporary copy on the head node; point this
-# at a lasting local path or an s3:// or gs:// URI to keep the run's events.
-STORAGE_PATH = os.path.abspath("runs")
+FAULT = Fault(kind="kill", rank=1, step=75)
 
 
 def train_loop(config):
@@ -48,6 +46,15 @@ def train_loop(config):
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # Under `ray job submit` the working directory is a temporary copy on the head node: give a
+    # lasting path, or an s3:// or gs:// URI, to keep the run's events and checkpoints.
+    parser.add_argument("--storage-path", default=os.path.abspath("runs"))
+    parser.add_argument("--name", default="train_lm")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker, NCCL instead of gloo")
+    parser.add_argument("--no-fault", action="store_true", help="do not kill rank 1 at step 75")
+    args = parser.parse_args()
     prepare_corpus(seq_len=SEQ_LEN)
     if "RAY_ADDRESS" not in os.environ:
         # A new local Ray (not a `ray start` cluster that may run here), with logical CPUs:
@@ -56,10 +63,11 @@ if __name__ == "__main__":
     trainer = ElasticTrainer(
         train_loop,
         train_loop_config={"seq_len": SEQ_LEN, "lr": 3e-3},
-        scaling_config=ScalingConfig(min_workers=2, max_workers=3),
-        run_config=RunConfig(name="train_lm", storage_path=STORAGE_PATH),
-        data_config=DataConfig(global_batch_size=32, micro_batch_size=8, max_steps=STEPS),
-        faults=FAULTS,
+        scaling_config=ScalingConfig(min_workers=2, max_workers=3, use_gpu=args.use_gpu),
+        run_config=RunConfig(name=args.name, storage_path=args.storage_path,
+                             checkpoint_config=CheckpointConfig(every_steps=50)),
+        data_config=DataConfig(global_batch_size=32, micro_batch_size=8, max_steps=args.steps),
+        faults=[] if args.no_fault or FAULT.step >= args.steps else [FAULT],
     )
     result = trainer.fit()
     sizes = " -> ".join(str(e["world_size"]) for e in result.events_of("generation_formed"))

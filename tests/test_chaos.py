@@ -28,12 +28,20 @@ SHORT_SEEDS = [0, 1, 2, 3]
 SOAK_SEEDS = list(range(100, 120))
 
 
+KINDS = ("kill", "kill-allreduce", "hang", "checkpoint-crash", "controller-kill", "raise")
+
+
 def draw_faults(seed: int) -> list[Fault]:
-    """One fault per slot, all on rank 0, which exists at every world size, so every one fires."""
+    """One fault per slot, all on rank 0, which exists at every world size, so every one fires.
+
+    The kinds are a seeded shuffle that starts where the seed says, so consecutive seeds
+    together cover every kind.
+    """
     rng = random.Random(seed)
+    kinds = rng.sample(KINDS, len(KINDS))
     faults = []
-    for step in FAULT_SLOTS:
-        kind = rng.choice(["kill", "kill-allreduce", "hang", "checkpoint-crash", "controller-kill", "raise"])
+    for slot, step in enumerate(FAULT_SLOTS):
+        kind = kinds[(seed + slot) % len(kinds)]
         rank = 0
         if kind == "kill-allreduce":
             faults.append(Fault(kind="kill", rank=rank, step=step, where="allreduce"))

@@ -111,7 +111,7 @@ def test_rayjob_runs_train_lm_on_an_autoscaling_gpu_cluster_with_token_auth():
     job = _load("kuberay-rayjob.yaml")
     assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
     spec = job["spec"]
-    assert spec["entrypoint"] == "python examples/train_lm.py"
+    assert spec["entrypoint"].split()[:2] == ["python", "examples/train_lm.py"] and "--use-gpu" in spec["entrypoint"]
     assert (REPO / "examples/train_lm.py").exists()
     runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
     assert runtime_env["working_dir"].endswith(".zip"), "the submitter pod needs the code as an archive URL"

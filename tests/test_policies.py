@@ -75,5 +75,7 @@ def test_a_node_is_avoided_after_repeated_failures_until_they_age_out():
     from elastic.policies import nodes_to_avoid
 
     failures = {"a": [100.0, 150.0, 190.0], "b": [190.0]}
-    assert nodes_to_avoid(failures, now=200.0, limit=3, cooldown_s=300) == {"a"}
-    assert nodes_to_avoid(failures, now=460.0, limit=3, cooldown_s=300) == set()  # the first failure aged out
+    alive = {"a", "b"}
+    assert nodes_to_avoid(failures, now=200.0, limit=3, cooldown_s=300, alive=alive) == {"a"}
+    assert nodes_to_avoid(failures, now=460.0, limit=3, cooldown_s=300, alive=alive) == set()  # aged out
+    assert nodes_to_avoid(failures, now=200.0, limit=3, cooldown_s=300, alive={"a"}) == set()  # the only node
