@@ -8,11 +8,11 @@ BIN := $(VENV)/bin
 setup: $(VENV)/.installed
 
 # torch==2.13.0 first: a bare `torch` requirement would pull a multi-GB CUDA build.
+# Ray is pinned to the version everything here was tested with.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q torch==2.13.0 'ray[default,train]==2.60.0'
+	$(BIN)/pip install -q -e '.[test,plot,bench]'
 	touch $@
 
 demo: setup
@@ -22,7 +22,7 @@ test: setup
 	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: setup
-	$(BIN)/python benchmarks/bench.py $(ARGS)
+	$(BIN)/python -m benchmarks.bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

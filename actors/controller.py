@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeLabelSchedulingStrategy, NotIn
 
+from actors.metrics import RunMetrics
 from actors.worker import Worker
 from elastic import policies, states
 from elastic.config import DataConfig, RunConfig, ScalingConfig
@@ -133,6 +134,7 @@ class Controller:
         self.failed_formations = 0
         self.formed_at = time.time()
         self.node_failures: dict[str, list[float]] = {}
+        self.metrics = RunMetrics(spec.run.name)
         self.latest_checkpoint: Checkpoint | None = None
         self.shards: dict[tuple[int, int], list[dict[str, Any]]] = {}
         self.failure_time: float | None = None
@@ -213,6 +215,7 @@ class Controller:
         metadata = next(r["metadata"] for r in shards if r["rank"] == 0)
         manifest = await asyncio.to_thread(write_manifest, self.storage, shards[0]["progress"], world_size, files, metadata)
         self.latest_checkpoint = Checkpoint(checkpoint_storage(self.storage, step), manifest)
+        self.metrics.checkpoint_saved(max(r["stall_s"] for r in shards))
         self.journal.emit("checkpoint_saved", step=step, bytes=sum(f["size"] for f in files),
                           stall_s=max(r["stall_s"] for r in shards), upload_s=max(r["upload_s"] for r in shards),
                           path=self.latest_checkpoint.path)
@@ -335,6 +338,7 @@ class Controller:
             self.journal.emit("recovery", generation=generation, seconds=now - self.failure_time,
                               steps_lost=max(rolled_back, *(o["steps_lost"] for o in outcomes)),
                               world_size=len(self.members), from_checkpoint=not reason.startswith("heal"))
+            self.metrics.recovered()
             self.failure_time = None
         self._enter(states.Running(generation), reason)
         self.formed_at = time.time()
@@ -356,6 +360,8 @@ class Controller:
         if isinstance(self.state, states.Running):
             await self._check_hang()
             self._check_stragglers()
+        self.metrics.update(self.progress.step_times, len(self.members), self.progress.samples_per_s(),
+                            self.progress.step, self._goodput())
         sample = self.progress.sample()
         if sample:
             self.journal.emit("metrics", world_size=len(self.members), **sample)

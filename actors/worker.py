@@ -118,6 +118,10 @@ class Worker:
     @ray.method(concurrency_group="control")
     def join(self, spec: GenerationSpec) -> None:
         self.mailbox.offer(spec)
+        if spec.backend == "nccl" and spec.reason.startswith("heal"):
+            # The train thread may sit in an NCCL kernel with a peer that is gone (a killed hung
+            # rank): aborting the old communicator from here is what frees it.
+            self.ctx.abort_stale_group(spec.generation)
 
     @ray.method(concurrency_group="control")
     def wait_formed(self, generation: int, timeout_s: float) -> dict[str, Any]:

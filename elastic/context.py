@@ -455,6 +455,11 @@ class TrainContext:
             elif fault.kind == "controller-kill" and self._due(fault):
                 pass  # the worker's handler has already told the controller to die
 
+    def abort_stale_group(self, newer_generation: int) -> None:
+        """Abort the current NCCL group from another thread, if a newer generation replaces it."""
+        if self.spec is not None and self.spec.generation < newer_generation and dist.is_initialized():
+            dist.distributed_c10d._abort_process_group()
+
     def progress(self) -> dict[str, Any]:
         """Where the train thread is, for the controller's hang check: answered from another thread."""
         return {"step": self._step_index, "launched": self._launched, "generation": self.generation}

@@ -1,0 +1,51 @@
+"""The run's metrics reach Ray's Prometheus endpoint while it trains."""
+
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+import ray
+
+from elastic import DataConfig, ElasticTrainer, RunConfig, ScalingConfig
+from workloads import GLOBAL_BATCH, regression_loop
+
+METRICS = ["elastic_step_time_s", "elastic_world_size", "elastic_samples_per_s", "elastic_step", "elastic_goodput"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(180)
+def test_step_time_world_size_throughput_and_goodput_are_scraped_from_prometheus(tmp_path):
+    port = _free_port()
+    ray.init(num_cpus=3, log_to_driver=False, _metrics_export_port=port,
+             _system_config={"metrics_report_interval_ms": 1000})
+    try:
+        trainer = ElasticTrainer(
+            regression_loop,
+            train_loop_config={"max_steps": 600, "sleep_s": 0.05},
+            scaling_config=ScalingConfig(min_workers=2, max_workers=2),
+            run_config=RunConfig(name="scraped", storage_path=str(tmp_path)),
+            data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=600),
+            show_progress=False,
+        )
+        fit = threading.Thread(target=trainer.fit, daemon=True)
+        fit.start()
+        found: set[str] = set()
+        while fit.is_alive() and len(found) < len(METRICS):
+            time.sleep(1)
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                continue
+            found = {m for m in METRICS if any(line.startswith(f"ray_{m}{{") and 'run="scraped"' in line
+                                                   for line in text.splitlines())}
+        assert found == set(METRICS)
+        fit.join()
+    finally:
+        ray.shutdown()
