@@ -383,7 +383,7 @@ class Controller:
         for worker_id in policies.find_hung(dict(zip(members, answers))):
             self._evict(worker_id, "hang", f"no step committed for {stalled:.1f} s, past the deadline of "
                         f"{deadline:.1f} s; it was behind its peers at {answers[members.index(worker_id)]} "
-                        "(step, all-reduces launched)", detect_s=stalled, deadline_s=deadline)
+                        "(step, syncs entered, all-reduces launched)", detect_s=stalled, deadline_s=deadline)
 
     def _check_stragglers(self) -> None:
         config = self.spec.run.failure_config
@@ -414,10 +414,10 @@ class Controller:
                 f"{config.node_failure_limit} worker failures on node {node} within "
                 f"FailureConfig(node_cooldown_s={config.node_cooldown_s}); new workers avoid it until then"))
 
-    async def _progress_of(self, worker_id: int) -> tuple[int, int] | None:
+    async def _progress_of(self, worker_id: int) -> tuple[int, int, int] | None:
         try:
             answer = await asyncio.wait_for(self.workers[worker_id].handle.progress.remote(), PING_TIMEOUT_S)
-            return answer["step"], answer["launched"]
+            return answer["step"], answer["entered_sync"], answer["launched"]
         except (RayActorError, asyncio.TimeoutError):
             return None
 

@@ -40,6 +40,11 @@ from elastic.group import GenerationSpec, StoreClient, form_group, is_peer_failu
 from elastic.mailbox import GenerationMailbox
 from elastic.state_sync import load_into, state_of, sync_state
 
+# Steps between the boundary all-reduces that agree on switches and timed checkpoints. The
+# step index decides, so every rank checks at the same boundaries; rarer checks cost less
+# step time, and a planned switch waits up to this many steps longer.
+AGREEMENT_EVERY_STEPS = 8
+
 _current: "TrainContext | None" = None
 
 
@@ -62,9 +67,12 @@ class MicroBatch:
     data: Any
     indices: torch.Tensor
     weight: float
+    on_sync: Callable[[], None] | None = None  # called before the backward that syncs gradients
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate the micro-batch's mean loss, weighted so the step is the global-batch mean."""
+        if self.on_sync is not None:
+            self.on_sync()
         (loss * self.weight).backward()
 
 
@@ -138,6 +146,7 @@ class TrainContext:
         self._last_checkpoint = time.monotonic()
         self.checkpoint: Checkpoint | None = None
         self._launched = 0
+        self._entered_sync = 0
         self._compute_s = 0.0
         self._slow_extra_s = 0.0
         self.mailbox = mailbox
@@ -253,7 +262,7 @@ class TrainContext:
                 self._checkpoint()
             elif every and self._step_index % every == 0:
                 self._checkpoint()
-            if self._step_index < max_steps:
+            if self._step_index < max_steps and self._step_index % AGREEMENT_EVERY_STEPS == 0:
                 self._launch_flag()
         self._flag = None
         if self._writer is not None:
@@ -274,6 +283,7 @@ class TrainContext:
                 data=_to_device(data_math.fetch(self._dataset, chunk), self.device),
                 indices=chunk,
                 weight=data_math.gradient_weight(stop - start, step.world_size, cfg.global_batch_size),
+                on_sync=(lambda: self._enter_sync(step)) if i == len(bounds) - 1 else None,
             )
             if ddp is not None and i < len(bounds) - 1:
                 with ddp.no_sync():
@@ -329,6 +339,7 @@ class TrainContext:
         Each rank contributes the newest generation it has been offered and whether its
         checkpoint timer ran out; the MAX is read at the next boundary, so all ranks switch
         generation (or snapshot) at the same step while training never waits for the check.
+        It runs every AGREEMENT_EVERY_STEPS steps.
         """
         every_s = self.checkpoint_config.every_s
         timer_due = every_s is not None and time.monotonic() - self._last_checkpoint >= every_s
@@ -441,7 +452,8 @@ class TrainContext:
         ddp = DistributedDataParallel(
             module, device_ids=[self.device.index] if self.device.type == "cuda" else None, init_sync=False
         )
-        ddp.register_comm_hook(self, _counted_allreduce)
+        if any(f.kind == "hang" or (f.kind == "kill" and f.where == "allreduce") for f in self.faults):
+            ddp.register_comm_hook(self, _counted_allreduce)
         return ddp
 
     def _fire_faults_at_step_start(self) -> None:
@@ -460,9 +472,19 @@ class TrainContext:
         if self.spec is not None and self.spec.generation < newer_generation and dist.is_initialized():
             dist.distributed_c10d._abort_process_group()
 
+    def _enter_sync(self, step: Step) -> None:
+        """The step's gradient-syncing backward starts: this rank's own compute is done.
+
+        The count tells a hung rank from the peers waiting on it (they entered the sync it never
+        reached), and the time is the rank's compute, free of waiting on slower peers.
+        """
+        self._entered_sync += 1
+        if step.compute_s is None:
+            step.compute_s = time.perf_counter() - step.started
+
     def progress(self) -> dict[str, Any]:
         """Where the train thread is, for the controller's hang check: answered from another thread."""
-        return {"step": self._step_index, "launched": self._launched, "generation": self.generation}
+        return {"step": self._step_index, "entered_sync": self._entered_sync, "launched": self._launched}
 
     def _due(self, fault: Fault) -> bool:
         """True once per run, for the rank that first meets the fault at its step."""
@@ -479,17 +501,12 @@ class TrainContext:
 
 
 def _counted_allreduce(ctx, bucket):
-    """DDP's all-reduce, counting the buckets this rank has launched.
+    """DDP's all-reduce with the faults that act inside it, counting the buckets launched.
 
-    When every rank stalls, the count tells the controller who is behind: peers of a hung rank
-    have launched a bucket it never launched. The first bucket of a step also marks the end of
-    this rank's own compute, which is how stragglers are told from the ranks waiting on them.
-    Faults that act inside the all-reduce fire here. Unannotated on purpose: DDP rejects a hook
-    whose annotations are strings, which `from __future__ import annotations` would make them.
+    Installed only when such faults exist: a Python comm hook costs several percent of a
+    small model's step. Unannotated on purpose: DDP rejects a hook whose annotations are
+    strings, which `from __future__ import annotations` would make them.
     """
-    step = ctx._current_step
-    if step is not None and step.compute_s is None:
-        step.compute_s = time.perf_counter() - step.started
     for fault in ctx.faults:
         if fault.kind == "kill" and fault.where == "allreduce" and ctx._due(fault):
             _die()

@@ -99,11 +99,12 @@ def hang_deadline(step_times: Sequence[float], factor: float, floor_s: float, ce
     return min(ceiling_s, max(floor_s, factor * statistics.median(step_times)))
 
 
-def find_hung(progress: dict[int, tuple[int, int] | None]) -> list[int]:
-    """The members to kill when the run stalls, from each one's (step, buckets launched).
+def find_hung(progress: dict[int, tuple[int, ...] | None]) -> list[int]:
+    """The members to kill when the run stalls, from each one's progress tuple
+    (step, gradient syncs entered, all-reduces launched).
 
     A member that does not answer is hung. Otherwise the members behind the front are: a hung
-    rank never launches the all-reduce its peers launched and wait in. When nobody is behind,
+    rank never enters (or never launches) the sync its peers wait in. When nobody is behind,
     the whole generation is stuck and every member is returned.
     """
     silent = [w for w, p in progress.items() if p is None]

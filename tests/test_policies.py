@@ -54,10 +54,11 @@ def test_the_stall_deadline_follows_the_median_step_within_floor_and_ceiling():
 def test_the_hung_member_is_the_one_behind_or_silent():
     from elastic.policies import find_hung
 
-    # Peers launched the all-reduce of step 10 that member 1 never launched.
-    assert find_hung({0: (10, 11), 1: (10, 10), 2: (10, 11)}) == [1]
-    assert find_hung({0: (10, 11), 1: None}) == [1]
-    assert find_hung({0: (10, 11), 1: (10, 11)}) == [0, 1]  # all stuck alike: the whole generation
+    # Peers entered the gradient sync of step 10 that member 1 never reached.
+    assert find_hung({0: (10, 11, 0), 1: (10, 10, 0), 2: (10, 11, 0)}) == [1]
+    assert find_hung({0: (10, 11, 0), 1: None}) == [1]
+    assert find_hung({0: (10, 11, 5), 1: (10, 11, 4)}) == [1]  # entered alike; launched fewer
+    assert find_hung({0: (10, 11, 0), 1: (10, 11, 0)}) == [0, 1]  # all stuck alike: the whole generation
 
 
 def test_a_straggler_is_a_member_slower_than_the_others_in_every_recent_step():
