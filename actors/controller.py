@@ -73,6 +73,23 @@ async def _outcomes_until_first_failure(waits: list[Any], grace_s: float) -> lis
     return [t.result() if t.done() and not t.cancelled() else STUCK for t in tasks]
 
 
+async def _answer_within(ref: Any, timeout_s: float) -> Any:
+    """The call's result, or None if it failed or took longer than `timeout_s`.
+
+    Not asyncio.wait_for: on timeout it waits for the cancelled call to wind down, and an
+    ObjectRef of a call to a stuck actor may never do so, which froze the whole controller.
+    """
+    async def answer() -> Any:
+        try:
+            return await ref
+        except Exception:  # a dead actor's call fails: no answer
+            return None
+
+    task = asyncio.ensure_future(answer())
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    return task.result() if done else None
+
+
 def _alive_nodes() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
@@ -334,7 +351,7 @@ class Controller:
                           members=members)
         if self.failure_time is not None:
             # Partial steps the survivors dropped, or committed steps rolled back to a checkpoint.
-            rolled_back = self.progress.step - outcomes[0]["step"]
+            rolled_back = self.progress.latest_step - outcomes[0]["step"]
             self.journal.emit("recovery", generation=generation, seconds=now - self.failure_time,
                               steps_lost=max(rolled_back, *(o["steps_lost"] for o in outcomes)),
                               world_size=len(self.members), from_checkpoint=not reason.startswith("heal"))
@@ -415,11 +432,8 @@ class Controller:
                 f"FailureConfig(node_cooldown_s={config.node_cooldown_s}); new workers avoid it until then"))
 
     async def _progress_of(self, worker_id: int) -> tuple[int, int, int] | None:
-        try:
-            answer = await asyncio.wait_for(self.workers[worker_id].handle.progress.remote(), PING_TIMEOUT_S)
-            return answer["step"], answer["entered_sync"], answer["launched"]
-        except (RayActorError, asyncio.TimeoutError):
-            return None
+        answer = await _answer_within(self.workers[worker_id].handle.progress.remote(), PING_TIMEOUT_S)
+        return (answer["step"], answer["entered_sync"], answer["launched"]) if answer else None
 
     def _evict(self, worker_id: int, kind: str, cause: str, **fields: Any) -> None:
         """Kill a live member; its death then heals like any other."""
@@ -529,11 +543,8 @@ class Controller:
 
     async def _ping(self, worker_ids: list[int]) -> set[int]:
         async def one(worker_id: int) -> int | None:
-            try:
-                await asyncio.wait_for(self.workers[worker_id].handle.info.remote(), PING_TIMEOUT_S)
-                return worker_id
-            except (RayActorError, asyncio.TimeoutError):
-                return None
+            answer = await _answer_within(self.workers[worker_id].handle.info.remote(), PING_TIMEOUT_S)
+            return worker_id if answer else None
 
         return {w for w in await asyncio.gather(*(one(w) for w in worker_ids)) if w is not None}
 

@@ -21,6 +21,7 @@ class ProgressTracker:
         self.global_batch_size = global_batch_size
         self.max_steps = max_steps
         self.step = 0
+        self.noted_step = 0
         self.productive_s = 0.0
         self.last_metrics: dict[str, Any] = {}
         self._metrics_key = (-1, 0)
@@ -57,8 +58,13 @@ class ProgressTracker:
             self._recent.popleft()
 
     def note_step(self, step: int) -> None:
-        """A step known to be committed from another source than a step report."""
-        self.step = max(self.step, step)
+        """A step known to be committed from another source than a step report (which may
+        arrive later, and must still be counted)."""
+        self.noted_step = max(self.noted_step, step)
+
+    @property
+    def latest_step(self) -> int:
+        return max(self.step, self.noted_step)
 
     def samples_per_s(self) -> float:
         if len(self._recent) < 2:
