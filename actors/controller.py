@@ -53,7 +53,8 @@ FINISH_GRACE_S = 5.0
 START_GRACE_S = 2.0
 
 
-STUCK = {"ok": False, "error": "did not report"}
+# Compared by value, not identity: Ray may ship the controller's functions with copies of it.
+STUCK = {"ok": False, "error": "did not report", "stuck": True}
 
 
 async def _outcomes_until_first_failure(waits: list[Any], grace_s: float) -> list[Any]:
@@ -325,7 +326,7 @@ class Controller:
         # A member that never reported is stuck (e.g. in a collective of the old generation, on a
         # peer that left): it would hold every later formation too, so it goes.
         for worker_id, outcome in zip(members, outcomes):
-            if outcome is STUCK and self.workers[worker_id].status != "gone":
+            if outcome == STUCK and self.workers[worker_id].status != "gone":
                 self._evict(worker_id, "stuck", f"did not report on forming generation {generation} while "
                             "its peers had given up on it")
                 self.members.remove(worker_id)
