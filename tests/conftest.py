@@ -15,6 +15,6 @@ ray.cloudpickle.register_pickle_by_value(workloads)
 @pytest.fixture(scope="module")
 def local_ray():
     """One local Ray instance per test module; ray.init costs seconds here."""
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

@@ -23,7 +23,7 @@ def _free_port() -> int:
 @pytest.mark.timeout(180)
 def test_step_time_world_size_throughput_and_goodput_are_scraped_from_prometheus(tmp_path):
     port = _free_port()
-    ray.init(num_cpus=3, log_to_driver=False, _metrics_export_port=port,
+    ray.init(address="local", num_cpus=3, log_to_driver=False, _metrics_export_port=port,
              _system_config={"metrics_report_interval_ms": 1000})
     try:
         trainer = ElasticTrainer(
