@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic import data as data_math
 from elastic.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, take_snapshot
 from elastic.config import CheckpointConfig, DataConfig
-from elastic.errors import ElasticError, GroupBrokenError, WorkerEvictedError
+from elastic.errors import ElasticError, WorkerEvictedError
 from elastic.faults import Fault, InjectedError
 from elastic.group import GenerationSpec, StoreClient, form_group, is_peer_failure, leave_group
 from elastic.mailbox import GenerationMailbox
@@ -324,7 +324,7 @@ class TrainContext:
                 }
             )
             return False
-        if isinstance(exc, GroupBrokenError) or is_peer_failure(exc):
+        if is_peer_failure(exc):
             # Keep the message, not the exception: its traceback would keep the old DDP alive.
             step.failed = f"{type(exc).__name__}: {exc}"
             if not step.committed and self._optimizer is not None:

@@ -29,9 +29,5 @@ class CapacityTimeoutError(ElasticError):
     """Fewer than min_workers workers could run for longer than the capacity timeout."""
 
 
-class GroupBrokenError(ElasticError):
-    """A collective failed because a peer left; the worker heals by joining the next generation."""
-
-
 class WorkerEvictedError(ElasticError):
     """The controller removed this worker from the run; its train loop stops."""
