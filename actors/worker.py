@@ -1,9 +1,10 @@
 """The worker actor: one process that runs the user's train loop and joins generations.
 
 `run` occupies the "train" concurrency group for the whole run, so the controller's calls
-(join a generation, wait for it to form, ping) are answered by the "control" group while
-training goes on. The controller keeps the `run` call outstanding: if this process dies, the
-controller learns it from that call at once.
+(prepare, offer or abort a generation, progress, ping) are answered by the "control" group
+while training goes on. The worker pushes what the controller must learn (ready to join, its
+group broke, a generation formed) as one-way calls. The controller keeps the `run` call
+outstanding: if this process dies, the controller learns it from that call at once.
 """
 
 from __future__ import annotations
@@ -49,7 +50,11 @@ class Worker:
         self.worker_id = worker_id
         self._controller = controller
         self._reports: collections.deque = collections.deque()
-        self.mailbox = GenerationMailbox(on_broken=lambda g: controller.group_broken.remote(worker_id, g))
+        self.mailbox = GenerationMailbox(
+            on_waiting=lambda: controller.worker_ready.remote(worker_id, self.info()),
+            on_broken=lambda g: controller.group_broken.remote(worker_id, g),
+            on_formed=lambda g, outcome: controller.formed.remote(worker_id, g, outcome),
+        )
         # Both calls block their (background or dying) caller until the controller has the news.
         writer = CheckpointWriter(storage, on_written=lambda report: ray.get(controller.shard_written.remote(report)))
         self.ctx = TrainContext(
@@ -71,7 +76,7 @@ class Worker:
             return {"outcome": "evicted", "reason": str(exc)}
         except Exception as exc:
             return {
-                "outcome": "error",
+                "outcome": "app_error",
                 "rank": self.ctx.rank,
                 "error": f"{type(exc).__name__}: {exc}",
                 "traceback": traceback.format_exc(),
@@ -111,21 +116,21 @@ class Worker:
         }
 
     @ray.method(concurrency_group="control")
-    def wait_ready(self, timeout_s: float) -> bool:
-        """True once the train loop waits to join its first generation."""
-        return self.mailbox.wait_waiting(timeout_s)
+    def prepare(self, generation: int) -> int:
+        """Phase one of a planned switch: the step this rank is at (see elastic.mailbox)."""
+        return self.mailbox.prepare(generation)
 
     @ray.method(concurrency_group="control")
-    def join(self, spec: GenerationSpec) -> None:
+    def offer(self, spec: GenerationSpec) -> None:
         self.mailbox.offer(spec)
-        if spec.backend == "nccl" and spec.reason.startswith("heal"):
-            # The train thread may sit in an NCCL kernel with a peer that is gone (a killed hung
-            # rank): aborting the old communicator from here is what frees it.
+        if spec.backend == "nccl" and spec.switch_step is None:
+            # An unplanned switch means a member is gone, and the train thread may sit in an
+            # NCCL kernel with it: aborting the old communicator from here is what frees it.
             self.ctx.abort_stale_group(spec.generation)
 
     @ray.method(concurrency_group="control")
-    def wait_formed(self, generation: int, timeout_s: float) -> dict[str, Any]:
-        return self.mailbox.wait_formed(generation, timeout_s)
+    def abort(self, generation: int) -> None:
+        self.mailbox.abort(generation)
 
     @ray.method(concurrency_group="control")
     def evict(self, reason: str) -> None:

@@ -6,7 +6,9 @@ slice of each flat dtype buffer, so the write is spread over all ranks. Rank 0's
 holds the structure, and rank 0 writes the user's own files. When the controller has heard
 of every shard, it writes `manifest.json`, listing each file's size and sha256, the step,
 world size, data cursor and format version. A folder without a valid manifest whose files
-all match is not a checkpoint, for any reader. Loading uses `torch.load(weights_only=True)`:
+all match is not a checkpoint, for any reader. `verify` hashes every file once; the
+`Checkpoint` it returns remembers that, so loading it checks only sizes (a checkpoint made
+any other way is hashed as it loads). Loading uses `torch.load(weights_only=True)`:
 storage is shared, and a checkpoint must never be able to run code.
 """
 
@@ -96,9 +98,11 @@ class Checkpoint:
         model.load_state_dict(state["model"])
     """
 
-    def __init__(self, storage: RunStorage, manifest: dict[str, Any]) -> None:
+    def __init__(self, storage: RunStorage, manifest: dict[str, Any], verified: bool = False) -> None:
         self.storage = storage
         self.manifest = manifest
+        # True when `verify` hashed every file: loading then checks sizes, not sha256 again.
+        self.verified = verified
 
     @classmethod
     def from_path(cls, path: str, filesystem=None) -> "Checkpoint":
@@ -128,23 +132,25 @@ class Checkpoint:
 
     def read_file(self, name: str) -> bytes:
         """A file the train loop stored with `ctx.add_checkpoint_file(name, data)`."""
-        entry = self._entry(f"{USER_FILES}/{name}")
-        data = self.storage.read_bytes(entry["name"])
-        _check_digest(entry, data)
-        return data
+        return self._read(self._entry(f"{USER_FILES}/{name}"))
 
     def load_state(self) -> dict[str, Any]:
         """{"model": ..., "optimizer": ..., <other registered state>..., "progress": {...}}."""
         world_size = self.world_size
         shards = []
         for rank in range(world_size):
-            entry = self._entry(shard_name(rank, world_size))
-            data = self.storage.read_bytes(entry["name"])
-            _check_digest(entry, data)
+            data = self._read(self._entry(shard_name(rank, world_size)))
             shards.append(torch.load(io.BytesIO(data), weights_only=True))
         buffers = {dtype: torch.cat([s["chunks"][dtype] for s in shards]) for dtype in shards[0]["chunks"]}
         payload = unflatten(shards[0]["structure"], buffers)
         return {**payload["state"], "progress": payload["progress"]}
+
+    def _read(self, entry: dict[str, Any]) -> bytes:
+        data = self.storage.read_bytes(entry["name"])
+        _check_size(entry, len(data))
+        if not self.verified:
+            _check_sha256(entry, data)
+        return data
 
     def _entry(self, name: str) -> dict[str, Any]:
         for entry in self.manifest["files"]:
@@ -156,15 +162,18 @@ class Checkpoint:
         return f"Checkpoint(step={self.step}, path={self.path!r})"
 
 
-def _check_digest(entry: dict[str, Any], data: bytes) -> None:
-    if len(data) != entry["size"]:
-        raise CheckpointError(f"file {entry['name']} is truncated: {len(data)} bytes, manifest says {entry['size']}")
+def _check_size(entry: dict[str, Any], size: int) -> None:
+    if size != entry["size"]:
+        raise CheckpointError(f"file {entry['name']} is truncated: {size} bytes, manifest says {entry['size']}")
+
+
+def _check_sha256(entry: dict[str, Any], data: bytes) -> None:
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise CheckpointError(f"file {entry['name']} has a wrong checksum (sha256 differs from the manifest)")
 
 
 def verify(storage: RunStorage) -> Checkpoint:
-    """The checkpoint in `storage`'s folder, after checking its manifest and every file."""
+    """The checkpoint in `storage`'s folder, after checking its manifest and every file's sha256."""
     try:
         manifest = json.loads(storage.read_text(MANIFEST))
     except FileNotFoundError:
@@ -180,10 +189,9 @@ def verify(storage: RunStorage) -> Checkpoint:
         size = storage.size(entry["name"])
         if size is None:
             raise CheckpointError(f"file {entry['name']} listed in the manifest is missing")
-        if size != entry["size"]:
-            raise CheckpointError(f"file {entry['name']} is truncated: {size} bytes, manifest says {entry['size']}")
-        _check_digest(entry, storage.read_bytes(entry["name"]))
-    return Checkpoint(storage, manifest)
+        _check_size(entry, size)
+        _check_sha256(entry, storage.read_bytes(entry["name"]))
+    return Checkpoint(storage, manifest, verified=True)
 
 
 def checkpoint_steps(run: RunStorage) -> list[int]:

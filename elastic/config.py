@@ -7,11 +7,12 @@ fixes the global batch, which elastic keeps constant at every world size.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import pyarrow.fs as pafs
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Frozen(BaseModel):
@@ -23,6 +24,10 @@ class ScalingConfig(_Frozen):
 
     min_workers: int = Field(1, gt=0, description="Fewest workers training may continue with.")
     max_workers: int = Field(1, gt=0, description="Most workers the run grows to when capacity exists.")
+    spare_workers: int = Field(
+        0, ge=0, description="Workers kept started and idle beyond max_workers; one joins at the next step "
+        "boundary when a member dies, so the run is back to full size after one state sync."
+    )
     use_gpu: bool = Field(False, description="Give each worker one GPU and use NCCL instead of gloo.")
     resources_per_worker: dict[str, float] = Field(
         default_factory=dict,
@@ -115,6 +120,10 @@ class FailureConfig(_Frozen):
         "None (the default) never evicts."
     )
     straggler_steps: int = Field(20, gt=0, description="Consecutive slow steps before a straggler is evicted.")
+    max_heals_without_step: int = Field(
+        8, ge=0, description="Generations in a row that may lose a member before committing a step (a crash "
+        "loop) before the run fails. Deaths are healed at no cost otherwise, so a wave of preemptions never fails it."
+    )
     node_failure_limit: int = Field(
         3, gt=0, description="Worker failures on one node, within node_cooldown_s, after which new workers avoid it."
     )
@@ -132,7 +141,9 @@ class FailureConfig(_Frozen):
 class RunConfig(_Frozen):
     """Where the run keeps its journal, and how it handles checkpoints and failures."""
 
-    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="Run name; a folder under storage_path.")
+    name: str = Field(
+        ..., description="Run name; one plain folder name under storage_path, of letters, digits, '_', '-' and '.'."
+    )
     storage_path: str = Field(..., min_length=1, description="Local path or URI (s3://, gs://) that holds the run folder.")
     storage_filesystem: Any = Field(
         None, description="A pyarrow.fs.FileSystem to use instead of resolving storage_path (then a path on it)."
@@ -140,6 +151,31 @@ class RunConfig(_Frozen):
     checkpoint_config: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint retention.")
     failure_config: FailureConfig = Field(default_factory=FailureConfig, description="Failure handling.")
 
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        # The name becomes a path component locally and a key segment on object stores, so it
+        # must not climb out of storage_path under any reading: `..`, `/`, `\`, or `%2F`.
+        if not name:
+            problem = "name is empty"
+        elif name in (".", ".."):
+            folder = "storage_path itself" if name == "." else "the parent of storage_path"
+            problem = f"name {name!r} is {folder}, not a folder inside it"
+        elif name[0] in "/\\":
+            problem = f"name {name!r} is an absolute path"
+        elif "/" in name or "\\" in name:
+            problem = f"name {name!r} contains a path separator ('/' or '\\')"
+        elif any(ord(c) < 32 or ord(c) == 127 for c in name):
+            problem = f"name {name!r} contains a control character"
+        elif "%" in name:
+            problem = f"name {name!r} contains '%', which URIs and object stores decode ('%2F' is '/')"
+        elif not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            problem = f"name {name!r} has characters other than letters, digits, '_', '-' and '.'"
+        else:
+            return name
+        raise ValueError(
+            f"{problem}; a run name must be one plain folder name of letters, digits, '_', '-' and '.', e.g. 'lm-1'"
+        )
 
     @model_validator(mode="after")
     def _check_filesystem(self) -> "RunConfig":

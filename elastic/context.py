@@ -15,8 +15,9 @@ Inside `train_loop`, a user writes
 
 Between two iterations the context may move the worker to a new generation: after a peer
 died (the `with step` block swallows the collective error and the step is redone) or because
-the controller grows the run (all ranks switch at the same step boundary). The step commits
-when the prepared optimizer steps; the data cursor moves only then.
+the controller grows the run (all ranks switch at the step boundary the controller committed,
+see `elastic.mailbox`). The step commits when the prepared optimizer steps; the data cursor
+moves only then.
 """
 
 from __future__ import annotations
@@ -36,13 +37,21 @@ from elastic.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, ta
 from elastic.config import CheckpointConfig, DataConfig
 from elastic.errors import ElasticError, WorkerEvictedError
 from elastic.faults import Fault, InjectedError
-from elastic.group import GenerationSpec, StoreClient, form_group, is_peer_failure, leave_group
+from elastic.group import (
+    GenerationSpec,
+    StoreClient,
+    abort_communicator,
+    form_group,
+    is_peer_failure,
+    leave_group,
+    rendezvous,
+)
 from elastic.mailbox import GenerationMailbox
 from elastic.state_sync import load_into, state_of, sync_state
 
-# Steps between the boundary all-reduces that agree on switches and timed checkpoints. The
-# step index decides, so every rank checks at the same boundaries; rarer checks cost less
-# step time, and a planned switch waits up to this many steps longer.
+# Steps between the boundary all-reduces that agree on time-based checkpoints (only runs with
+# CheckpointConfig(every_s) launch them). The step index decides, so every rank checks at the
+# same boundaries; rarer checks cost less step time.
 AGREEMENT_EVERY_STEPS = 8
 
 _current: "TrainContext | None" = None
@@ -147,6 +156,10 @@ class TrainContext:
         self.checkpoint: Checkpoint | None = None
         self._launched = 0
         self._entered_sync = 0
+        self._arrived = -1  # the newest generation whose barrier this rank reached
+        self._waiting_on_checkpoint = False
+        self._group: tuple[int, dist.ProcessGroup] | None = None
+        self._group_lock = threading.Lock()
         self._compute_s = 0.0
         self._slow_extra_s = 0.0
         self.mailbox = mailbox
@@ -238,14 +251,12 @@ class TrainContext:
         self._join(reason="start")
         max_steps = self.data_config.max_steps
         while self._step_index < max_steps:
-            agreed = self._read_flag()
-            if agreed is not None:
-                generation, checkpoint_wanted = agreed
-                if checkpoint_wanted:
-                    self._checkpoint()
-                if generation > self.generation:
-                    self._join(reason="rescale")
-                    continue
+            if self._read_flag():
+                self._checkpoint()
+            switch = self.mailbox.at_boundary(self._step_index, self.generation)
+            if switch is not None:
+                self._join(reason="rescale")
+                continue
             self._fire_faults_at_step_start()
             step = Step(self, self._step_index, self._cursor)
             self._current_step = step
@@ -262,11 +273,21 @@ class TrainContext:
                 self._checkpoint()
             elif every and self._step_index % every == 0:
                 self._checkpoint()
-            if self._step_index < max_steps and self._step_index % AGREEMENT_EVERY_STEPS == 0:
+            timed = self.checkpoint_config.every_s is not None
+            if timed and self._step_index < max_steps and self._step_index % AGREEMENT_EVERY_STEPS == 0:
                 self._launch_flag()
         self._flag = None
-        if self._writer is not None:
+        self._wait_for_writer()
+
+    def _wait_for_writer(self) -> None:
+        """Wait for the previous checkpoint's upload; the hang check counts this as progress."""
+        if self._writer is None:
+            return
+        self._waiting_on_checkpoint = True
+        try:
             self._writer.wait()
+        finally:
+            self._waiting_on_checkpoint = False
 
     # --- steps and micro-batches -------------------------------------------------------
     def _micro_batches(self, step: Step) -> Iterator[MicroBatch]:
@@ -334,22 +355,19 @@ class TrainContext:
 
     # --- generations ---------------------------------------------------------------------
     def _launch_flag(self) -> None:
-        """Start the all-reduce that makes every rank agree on what to do at the next boundary.
+        """Start the all-reduce that makes every rank agree whether a timed checkpoint is due.
 
-        Each rank contributes the newest generation it has been offered and whether its
-        checkpoint timer ran out; the MAX is read at the next boundary, so all ranks switch
-        generation (or snapshot) at the same step while training never waits for the check.
-        It runs every AGREEMENT_EVERY_STEPS steps.
+        Each rank contributes whether its checkpoint timer ran out; the MAX is read at the next
+        boundary, so all ranks snapshot the same step while training never waits for the check.
         """
-        every_s = self.checkpoint_config.every_s
-        timer_due = every_s is not None and time.monotonic() - self._last_checkpoint >= every_s
-        flag = torch.tensor([self.mailbox.newest_generation, int(timer_due)], dtype=torch.int64, device=self.device)
+        timer_due = time.monotonic() - self._last_checkpoint >= self.checkpoint_config.every_s
+        flag = torch.tensor([int(timer_due)], dtype=torch.int64, device=self.device)
         self._flag = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
 
-    def _read_flag(self) -> tuple[int, bool] | None:
-        """The agreed (generation, checkpoint wanted), or None when there is nothing to read."""
+    def _read_flag(self) -> bool:
+        """Whether the ranks agreed on a checkpoint at this boundary."""
         if self._flag is None:
-            return None
+            return False
         work, flag = self._flag
         self._flag = None
         try:
@@ -358,9 +376,8 @@ class TrainContext:
             if not is_peer_failure(exc):
                 raise
             self._join(reason="heal", lost=0)
-            return None
-        generation, checkpoint_wanted = flag.tolist()
-        return generation, bool(checkpoint_wanted)
+            return False
+        return bool(flag.item())
 
     def _checkpoint(self) -> None:
         """Snapshot to CPU (training waits only for this copy) and write the shard in the background."""
@@ -368,41 +385,40 @@ class TrainContext:
         states = {name: state_of(obj) for name, obj in self._objects.items()}
         snapshot = take_snapshot(states, {"step": self._step_index, "cursor": self._cursor.to_dict()})
         crash = any(f.kind == "checkpoint-crash" and self._due(f) for f in self.faults)
+        self._wait_for_writer()  # one upload at a time: back-pressure, reported as progress
         self._writer.submit(snapshot, self.rank, self.world_size, time.perf_counter() - started,
                             self._checkpoint_files, self._checkpoint_metadata, crash_midway=crash)
         self._last_checkpoint = time.monotonic()
 
     def _join(self, reason: str, lost: int = 0) -> None:
-        """Leave the current generation and join the newest one the controller offers."""
+        """Leave the current generation and join the newest one the controller offers.
+
+        A generation that is aborted before every member arrived, or that fails to connect,
+        is given up and the next offer waited for; only a user error escapes.
+        """
         if reason == "heal":
             # Leave at once: a live peer blocked on this rank fails now instead of at the timeout.
             self._leave()
             self.mailbox.report_broken(self.generation)
+        tried = self.generation
         while True:
-            spec = self.mailbox.wait_newer(self.generation)
-            started = time.perf_counter()
+            spec = self.mailbox.wait_newer(tried)
+            tried = spec.generation
             try:
-                self._form(spec)
+                timings = self._form(spec)
             except WorkerEvictedError:
                 raise
             except Exception as exc:
+                self.mailbox.formed(spec.generation, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
                 if not is_peer_failure(exc):
-                    self.mailbox.formed(spec.generation, {"ok": False, "error": repr(exc)})
                     raise
-                self.mailbox.formed(spec.generation, {"ok": False, "error": repr(exc)})
-                self.spec = spec
                 continue
-            self.mailbox.formed(
-                spec.generation,
-                {
-                    "ok": True,
-                    "seconds": time.perf_counter() - started,
-                    "step": self._step_index,
-                    "steps_lost": lost,
-                    "reason": reason,
-                    "source_rank": self._last_sync.source_rank,
-                },
-            )
+            if timings is None:
+                continue  # aborted: a member died or left before everyone arrived
+            self.mailbox.formed(spec.generation, {
+                "ok": True, "step": self._step_index, "steps_lost": lost, "reason": reason,
+                "source_rank": self._last_sync.source_rank, **timings,
+            })
             return
 
     def _leave(self) -> None:
@@ -410,22 +426,41 @@ class TrainContext:
         self._flag = None
         if self._model is not None:
             self._model.ddp = None
+        with self._group_lock:
+            self._group = None
         leave_group(self.spec.backend if self.spec else "gloo")
 
-    def _form(self, spec: GenerationSpec) -> None:
+    def _form(self, spec: GenerationSpec) -> dict[str, float] | None:
+        """Join `spec`'s generation and sync state; the phases' seconds, or None if it was aborted."""
+        started = time.perf_counter()
         self._leave()
+        store = self._store.get(spec.store_host, spec.store_port)
+        self._arrived = spec.generation
+        if not rendezvous(spec, store):
+            return None
+        arrived = time.perf_counter()
         self.spec = spec
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        form_group(spec, self._store.get(spec.store_host, spec.store_port))
-        if spec.resume_from is not None and self._step_index == 0 and spec.rank == 0:
-            self._restore(spec.resume_from)
+        form_group(spec, store)
+        with self._group_lock:
+            self._group = (spec.generation, dist.group.WORLD)
+        connected = time.perf_counter()
+        if spec.restart:
+            # No member holds live state: rank 0 restores the checkpoint (or everyone starts
+            # over from step 0), and the sync below spreads rank 0's state.
+            self._step_index = 0
+            self._cursor = data_math.DataCursor(seed=self.data_config.seed)
+            if spec.resume_from is not None and spec.rank == 0:
+                self._restore(spec.resume_from)
         progress = {"step": self._step_index, "cursor": self._cursor.to_dict()}
         self._last_sync, progress = sync_state(self._objects, progress, self.device)
         self._step_index = progress["step"]
         self._cursor = data_math.DataCursor(**progress["cursor"])
         if self._model is not None:
             self._model.ddp = self._wrap(self._model.module)
+        done = time.perf_counter()
+        return {"barrier_s": arrived - started, "connect_s": connected - arrived, "sync_s": done - connected}
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Load a durable checkpoint into this rank; the sync then spreads it to the others."""
@@ -468,9 +503,13 @@ class TrainContext:
                 pass  # the worker's handler has already told the controller to die
 
     def abort_stale_group(self, newer_generation: int) -> None:
-        """Abort the current NCCL group from another thread, if a newer generation replaces it."""
-        if self.spec is not None and self.spec.generation < newer_generation and dist.is_initialized():
-            dist.distributed_c10d._abort_process_group()
+        """Abort the NCCL communicator of a generation older than `newer_generation`, from the
+        control thread: the train thread may sit in one of its kernels with a dead peer. The
+        group is the one captured when it formed, so the one replacing it is never hit."""
+        with self._group_lock:
+            stale = self._group if self._group and self._group[0] < newer_generation else None
+        if stale is not None:
+            abort_communicator(stale[1])
 
     def _enter_sync(self, step: Step) -> None:
         """The step's gradient-syncing backward starts: this rank's own compute is done.
@@ -484,7 +523,8 @@ class TrainContext:
 
     def progress(self) -> dict[str, Any]:
         """Where the train thread is, for the controller's hang check: answered from another thread."""
-        return {"step": self._step_index, "entered_sync": self._entered_sync, "launched": self._launched}
+        return {"step": self._step_index, "entered_sync": self._entered_sync, "launched": self._launched,
+                "arrived": self._arrived, "checkpointing": self._waiting_on_checkpoint}
 
     def _due(self, fault: Fault) -> bool:
         """True once per run, for the rank that first meets the fault at its step."""

@@ -5,6 +5,13 @@ its rendezvous in the controller's TCPStore. A worker leaves generation g by dro
 process group (aborting it on NCCL, where destroying a group with a dead peer can hang) and
 joins g+1 in the same process. Every generation has its own prefix, so keys of a broken one
 never confuse the next.
+
+Joining is two steps. First a cancellable barrier (`rendezvous`): each member counts itself
+in under `generation/<g>/arrived`; the last to arrive sets `generation/<g>/outcome` to "go",
+while the controller sets it to "abort" the moment a member dies or leaves. Whoever writes
+first wins (`compare_set`), so every member learns the same outcome within milliseconds and
+nobody waits on a timeout, however long the others take to reach their switch step. Only
+after "go", when every member is known to be there, does `init_process_group` connect them.
 """
 
 from __future__ import annotations
@@ -15,13 +22,22 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-# NCCL must surface a dead peer as an error instead of hanging the stream.
-os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+# NCCL's watchdog must turn a dead peer into an error in the waiting thread, and abort only
+# the broken communicator: mode 2 ("CleanUpOnly"). Modes 1 and 3 tear the whole process down,
+# which would kill every survivor of a death; 0 would leave a survivor hanging.
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_SURVIVOR_MODE = "2"
+os.environ[NCCL_ERROR_HANDLING] = NCCL_SURVIVOR_MODE
 
-# How long the members of a new generation wait for each other before giving up on it.
-FORMATION_TIMEOUT_S = 10.0
+# After the barrier every member is known to be present, so connecting takes milliseconds;
+# this bounds only a member that dies in that window. It is not compared with step times.
+CONNECT_TIMEOUT_S = 10.0
+# How long one wait on the barrier's outcome key lasts before it is renewed.
+BARRIER_POLL_S = 30.0
+GO, ABORT = "go", "abort"
 
 # Substrings of errors raised when a peer of a collective is gone. gloo raises plain
 # RuntimeErrors, so the message is all there is to tell a broken group from a user bug.
@@ -53,11 +69,44 @@ class GenerationSpec:
     backend: str
     reason: str
     collective_timeout_s: float
-    resume_from: Any = None  # a Checkpoint to restore when no member has live state to share
+    # Where the members of the running generation switch to this one; None: at once.
+    switch_step: int | None = None
+    # No member holds live state: every member drops its progress and rank 0 loads this
+    # checkpoint (None: the run restarts from step 0).
+    restart: bool = False
+    resume_from: Any = None
 
     @property
     def prefix(self) -> str:
-        return f"generation/{self.generation}"
+        return generation_prefix(self.generation)
+
+
+def generation_prefix(generation: int) -> str:
+    return f"generation/{generation}"
+
+
+def outcome_key(generation: int) -> str:
+    return f"{generation_prefix(generation)}/outcome"
+
+
+def abort_generation(store: dist.Store, generation: int) -> bool:
+    """Cancel generation `generation` unless every member already arrived; True if cancelled."""
+    return store.compare_set(outcome_key(generation), "", ABORT).decode() == ABORT
+
+
+def rendezvous(spec: GenerationSpec, store: dist.Store) -> bool:
+    """Wait, without a deadline, until every member arrived (True) or the controller aborted
+    the generation (False)."""
+    key = outcome_key(spec.generation)
+    if store.add(f"{spec.prefix}/arrived", 1) == spec.world_size:
+        store.compare_set(key, "", GO)
+    while True:
+        try:
+            store.wait([key], timedelta(seconds=BARRIER_POLL_S))
+            return store.get(key).decode() == GO
+        except dist.DistStoreError as exc:
+            if "timeout" not in str(exc).lower():
+                raise
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -101,22 +150,34 @@ class StoreClient:
 
 
 def form_group(spec: GenerationSpec, store: dist.TCPStore) -> None:
-    """Initialise the default process group of generation `spec.generation`.
+    """Connect the default process group of generation `spec.generation`; call after a "go".
 
-    The rendezvous is bounded by FORMATION_TIMEOUT_S, so a member that never arrives fails the
-    formation (and the controller offers another) instead of holding the others for the long
-    collective timeout, which applies once the group exists.
+    The collective timeout applies once the group exists; connecting is bounded by
+    CONNECT_TIMEOUT_S, which only a member dying right after the barrier can reach.
     """
     leave_group(spec.backend)
     set_torchrun_env(spec)
     dist.init_process_group(
         spec.backend,
-        store=dist.PrefixStore(spec.prefix, store),
+        store=dist.PrefixStore(f"{spec.prefix}/group", store),
         rank=spec.rank,
         world_size=spec.world_size,
-        timeout=timedelta(seconds=min(FORMATION_TIMEOUT_S, spec.collective_timeout_s)),
+        timeout=timedelta(seconds=min(CONNECT_TIMEOUT_S, spec.collective_timeout_s)),
     )
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=spec.collective_timeout_s))
+
+
+def abort_communicator(group: dist.ProcessGroup) -> None:
+    """Abort the NCCL communicator of `group`, a group captured earlier, from any thread.
+
+    `_abort_process_group` would abort every group registered at the time of the call, which
+    may already include the one that replaced `group`; aborting the captured backend cannot.
+    """
+    try:
+        backend = group._get_backend(torch.device("cuda"))
+    except RuntimeError:
+        return  # no NCCL backend: nothing can hang in a kernel
+    backend.abort()
 
 
 def leave_group(backend: str) -> None:

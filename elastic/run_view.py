@@ -24,8 +24,8 @@ import pyarrow.fs as pafs
 
 from elastic.checkpoint import CHECKPOINTS, CheckpointError, checkpoint_steps, checkpoint_storage, verify
 from elastic.errors import ElasticError
-from elastic.events import EventJournal, read_events
-from elastic.storage import RunStorage
+from elastic.events import SEGMENTS, EventJournal, has_journal, read_events
+from elastic.storage import RunStorage, StorageError
 
 RECENT_EVENTS = 5
 # Metrics are journaled every 2 s and the journal is flushed every tick while a run is alive,
@@ -36,7 +36,7 @@ NODE_ID_CHARS = 12
 
 
 class RunNotFoundError(ElasticError):
-    """The run folder or its events.jsonl does not exist, or the journal cannot be read."""
+    """The run folder or its journal does not exist, or the journal cannot be read."""
 
 
 @dataclass(frozen=True)
@@ -94,24 +94,32 @@ def open_run(storage_path: str, name: str) -> Run:
     try:
         events = read_events(storage)
     except ValueError as exc:
-        raise RunNotFoundError(f"{storage.uri}/{EventJournal.FILE} has a line that is not JSON ({exc}); "
+        raise RunNotFoundError(f"the journal of {storage.uri} has a line that is not JSON ({exc}); "
                                "the journal is damaged") from None
-    if storage.size(EventJournal.FILE) is None:
+    if not has_journal(storage):
         parent = storage.root.rpartition("/")[0] or "/"
         if storage.fs.get_file_info(parent).type == pafs.FileType.NotFound:
             raise RunNotFoundError(f"storage path {storage_path!r} does not exist; pass --storage-path, "
                                    "the RunConfig.storage_path the run was started with")
         runs = _runs_under(storage.fs, parent)
         known = f"runs there: {', '.join(runs)}" if runs else "there are no runs there"
-        raise RunNotFoundError(f"no run {name!r} under {storage_path!r} ({storage.uri}/{EventJournal.FILE} "
-                               f"does not exist); {known}")
+        raise RunNotFoundError(f"no run {name!r} under {storage_path!r} ({storage.uri} has no journal: "
+                               f"neither {EventJournal.FILE} nor {SEGMENTS}/); {known}")
     return Run(name, storage, events)
 
 
 def _runs_under(fs: pafs.FileSystem, parent: str) -> list[str]:
     folders = fs.get_file_info(pafs.FileSelector(parent, allow_not_found=True))
-    return sorted(f.base_name for f in folders if f.type == pafs.FileType.Directory
-                  and fs.get_file_info(f"{f.path}/{EventJournal.FILE}").type == pafs.FileType.File)
+    return sorted(f.base_name for f in folders
+                  if f.type == pafs.FileType.Directory and _is_run(fs, parent, f.base_name))
+
+
+def _is_run(fs: pafs.FileSystem, parent: str, name: str) -> bool:
+    try:
+        storage = RunStorage(parent, name, fs)
+    except StorageError:  # a folder name no run can have
+        return False
+    return has_journal(storage)
 
 
 def latest_attempt(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

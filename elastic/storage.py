@@ -1,6 +1,8 @@
 """The run folder `{storage_path}/{name}/` on any `pyarrow.fs` filesystem.
 
 `storage_path` is a local path or a URI that pyarrow understands (`s3://`, `gs://`, ...).
+`RunStorage` is the one place that joins a folder name to `storage_path`, and it refuses any
+name that would leave `storage_path` for some reader of the path (see `_check_inside`).
 The folder is checked to be writable, with a marker file, before any worker starts, so a bad
 path or missing credentials fail in the first second instead of after an hour of training.
 """
@@ -8,7 +10,9 @@ path or missing credentials fail in the first second instead of after an hour of
 from __future__ import annotations
 
 import os
+import posixpath
 import uuid
+from urllib.parse import unquote
 
 import pyarrow.fs as pafs
 
@@ -34,6 +38,7 @@ class RunStorage:
                 ) from exc
         else:
             root = storage_path
+        _check_inside(storage_path, root, name)
         self.fs = filesystem
         self.root = f"{root.rstrip('/')}/{name}"
 
@@ -94,6 +99,50 @@ class RunStorage:
             if "not found" in str(exc).lower() or "no such file" in str(exc).lower():
                 raise FileNotFoundError(self.path(relative)) from exc
             raise
+
+
+def _check_inside(storage_path: str, root: str, name: str) -> None:
+    """Raise StorageError unless `root/name` is one place strictly inside `root` for every reader.
+
+    Local filesystems resolve `..`; Windows and some object-store tools read `\\` as a separator;
+    `FileSystem.from_uri`, URIs and object-store gateways percent-decode (`%2F` is `/`). A name is
+    accepted only when all of these readings, normalised, land on the same folder inside `root`.
+    """
+    base = posixpath.normpath(root)
+    target = posixpath.normpath(posixpath.join(base, name))
+    decoded = name
+    while unquote(decoded) != decoded:  # decode to a fixed point: %252F reads as %2F, then as /
+        decoded = unquote(decoded)
+    readings = [
+        ("", name),
+        ("read with '\\' as a separator, ", name.replace("\\", "/")),
+        ("percent-decoded (as URIs and object stores read it), ", decoded.replace("\\", "/")),
+    ]
+    problem = None
+    for how, reading in readings:
+        resolved = posixpath.normpath(posixpath.join(base, reading))
+        if any(ord(c) < 32 or ord(c) == 127 for c in reading):
+            problem = f"{how}it contains a control character"
+        elif resolved == base:
+            problem = f"{how}it resolves to storage_path itself"
+        elif not _is_below(base, resolved):
+            problem = f"{how}it resolves to {resolved!r}, outside storage_path"
+        elif resolved != target:
+            problem = f"{how}it names {resolved!r} instead of {target!r}"
+        if problem:
+            break
+    if problem:
+        raise StorageError(
+            f"folder {name!r} is not a safe folder inside storage_path {storage_path!r}: {problem}. "
+            "Use a run name that is one plain folder name (letters, digits, '_', '-', '.'), e.g. 'lm-1'."
+        )
+
+
+def _is_below(base: str, path: str) -> bool:
+    """Whether normalised `path` lies strictly below normalised folder `base`."""
+    if base == ".":
+        return path != ".." and not path.startswith("../") and not path.startswith("/")
+    return path.startswith(base.rstrip("/") + "/") and path != base
 
 
 def _absolute(storage_path: str) -> str:

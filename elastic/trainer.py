@@ -65,16 +65,21 @@ class ElasticTrainer:
         check_fits(scaling_config, data_config)
         self.faults = list(faults or [])
         check_faults(self.faults, data_config.max_steps, scaling_config.max_workers)
-        try:
-            ray.cloudpickle.dumps(train_loop)
-        except Exception as exc:
-            raise ElasticError(
-                f"train_loop cannot be pickled ({type(exc).__name__}: {exc}); define it at module level "
-                "and keep unpicklable objects (locks, open files, sockets) out of its closure"
-            ) from exc
+        # Everything below travels to the controller and the workers by pickle; Ray's own error
+        # would dump the whole RunSpec, so name the argument (or the key) that cannot travel.
+        _check_travels(train_loop, "train_loop", "define it at module level and keep unpicklable objects "
+                       "(locks, open files, sockets) out of its closure")
+        self.train_loop_config = dict(train_loop_config or {})
+        _check_travels(self.train_loop_config, "train_loop_config", "pass plain values (numbers, strings, paths, "
+                       "tensors) and create locks, open files, sockets and clients inside train_loop")
+        _check_travels(self.faults, "faults", 'pass elastic.Fault objects, e.g. Fault(kind="kill", rank=1, step=20)')
+        _check_travels(resume_from, "resume_from", "pass the checkpoint's path as a str, or a Checkpoint on a "
+                       "filesystem that pickles (pyarrow's built-in ones do)", round_trip=True)
+        _check_travels(run_config.storage_filesystem, "storage_filesystem", "every worker gets a copy: use one of "
+                       "pyarrow's filesystems (e.g. pyarrow.fs.S3FileSystem(...)), or leave it None and give "
+                       "storage_path as a URI", round_trip=True)
         self.resume_from = resume_from
         self.train_loop = train_loop
-        self.train_loop_config = dict(train_loop_config or {})
         self.scaling_config = scaling_config
         self.run_config = run_config
         self.data_config = data_config
@@ -150,6 +155,38 @@ class ElasticTrainer:
                     f"{per_worker}, but ScalingConfig(min_workers={self.scaling_config.min_workers}); lower "
                     "min_workers or resources_per_worker, or add nodes"
                 )
+
+
+def _check_travels(value: Any, where: str, fix: str, round_trip: bool = False) -> None:
+    """Raise ElasticError naming the part of `value` that cannot be pickled (or, with round_trip, unpickled)."""
+    found = _unpicklable_part(value, where)
+    if found:
+        part, exc = found
+        raise ElasticError(f"{part} cannot be pickled ({type(exc).__name__}: {exc}); {fix}") from exc
+    if round_trip:
+        try:
+            ray.cloudpickle.loads(ray.cloudpickle.dumps(value))
+        except Exception as exc:
+            raise ElasticError(f"{where} pickles but cannot be unpickled ({type(exc).__name__}: {exc}); {fix}") from exc
+
+
+def _unpicklable_part(value: Any, where: str) -> tuple[str, Exception] | None:
+    """The innermost dict key or list item, as `where['key'][0]`, that does not pickle, with its error."""
+    try:
+        ray.cloudpickle.dumps(value)
+        return None
+    except Exception as exc:
+        if isinstance(value, dict):
+            parts = [(f"{where}[{key!r}]", item) for key, item in value.items()]
+        elif isinstance(value, (list, tuple)):
+            parts = [(f"{where}[{i}]", item) for i, item in enumerate(value)]
+        else:
+            parts = []
+        for part, item in parts:
+            found = _unpicklable_part(item, part)
+            if found:
+                return found
+        return where, exc
 
 
 def _autoscaling() -> bool:

@@ -10,6 +10,7 @@ import pickle
 import pytest
 import torch
 
+from elastic import checkpoint as checkpoint_module
 from elastic.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -20,6 +21,7 @@ from elastic.checkpoint import (
     step_dir,
     steps_to_delete,
     take_snapshot,
+    verify,
     write_manifest,
 )
 from elastic.state_sync import state_of
@@ -113,6 +115,56 @@ def test_a_damaged_checkpoint_is_skipped_with_its_reason_and_the_one_before_is_u
     checkpoint = latest_complete(run, lambda step, why: skipped.append((step, why)))
     assert checkpoint.step == 8
     assert len(skipped) == 1 and skipped[0][0] == 16 and reason in skipped[0][1]
+
+
+@pytest.fixture
+def hashed(monkeypatch):
+    """The names of the files whose sha256 is checked, one entry per check."""
+    names = []
+    check = checkpoint_module._check_sha256
+
+    def counting(entry, data):
+        names.append(entry["name"])
+        check(entry, data)
+
+    monkeypatch.setattr(checkpoint_module, "_check_sha256", counting)
+    return names
+
+
+def test_a_verified_checkpoint_is_hashed_once_by_verify_and_not_again_when_loaded(run, hashed):
+    _save(run, 6, world_size=3, files={"notes.json": b"{}"})
+    checkpoint = Checkpoint.from_path(f"{run.root}/{step_dir(6)}")
+    assert sorted(hashed) == [shard_name(r, 3) for r in range(3)] + ["user/notes.json"]
+    hashed.clear()
+
+    travelled = pickle.loads(pickle.dumps(checkpoint))  # as it reaches rank 0 through Ray
+    assert travelled.load_state()["progress"]["step"] == 6
+    assert travelled.read_file("notes.json") == b"{}"
+    assert hashed == []
+
+
+def test_a_checkpoint_that_was_not_verified_is_hashed_as_it_loads(run, hashed):
+    _save(run, 6, world_size=2)
+    folder = checkpoint_storage(run, 6)
+    checkpoint = Checkpoint(folder, verify(folder).manifest)  # as the controller makes one after a save
+    hashed.clear()
+    checkpoint.load_state()
+    assert hashed == [shard_name(0, 2), shard_name(1, 2)]
+
+
+def test_verify_catches_a_flipped_byte_that_keeps_the_size(run):
+    _save(run, 16)
+    _corrupt_flip(run, 16)
+    with pytest.raises(CheckpointError, match="wrong checksum"):
+        Checkpoint.from_path(run.path(step_dir(16)))
+
+
+def test_a_verified_checkpoint_still_catches_a_file_truncated_after_verify(run):
+    _save(run, 16)
+    checkpoint = Checkpoint.from_path(run.path(step_dir(16)))
+    _corrupt_truncate(run, 16)
+    with pytest.raises(CheckpointError, match="is truncated"):
+        checkpoint.load_state()
 
 
 def test_a_checkpoint_cannot_run_code_when_loaded(run, tmp_path):

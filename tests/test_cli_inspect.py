@@ -8,7 +8,7 @@ import pytest
 
 from elastic import cli
 from elastic.checkpoint import MANIFEST, step_dir, write_manifest
-from elastic.events import EventJournal, make_event
+from elastic.events import EventJournal, make_event, read_events, segment_name
 from elastic.run_view import RECENT_EVENTS, list_checkpoints, open_run, run_status
 from elastic.storage import RunStorage
 
@@ -74,11 +74,13 @@ def healed_run_events(attempt: str = "a1", start: float = T0, max_steps: int = 1
 
 
 def write_journal(storage_path, name: str, events: list[dict]) -> RunStorage:
-    """Writes `events` as the controller does: through EventJournal, into events.jsonl."""
+    """Writes `events` as a controller continuing a run does: the earlier ones are stored, and
+    an EventJournal opened over them appends the last one to events.jsonl."""
     storage = RunStorage(str(storage_path), name)
     storage.check_writable()
     *earlier, last = events
-    journal = EventJournal(storage, earlier)
+    storage.write_text_atomic(EventJournal.FILE, "".join(json.dumps(e) + "\n" for e in earlier))
+    journal = EventJournal(storage, read_events(storage))
     journal.emit(last["type"], **{k: v for k, v in last.items() if k not in ("type", "time")})
     journal.flush()
     # emit stamps the current time; keep the scripted one so the timeline is deterministic.
@@ -228,6 +230,19 @@ def test_an_unknown_run_is_one_line_on_stderr_naming_the_runs_there(runs, capsys
     assert code == 1 and out == ""
     assert err.count("\n") == 1
     assert f"elastic {command}: no run 'nope' under" in err and "runs there: lm" in err
+
+
+def test_a_run_journaled_in_segments_only_is_found_listed_and_read_in_order(runs, capsys):
+    # As an object store holds it (copied down here): no events.jsonl, only events/ segments.
+    storage = RunStorage(str(runs), "on-s3")
+    for sequence, event in enumerate(healed_run_events()):
+        storage.write_bytes(segment_name(sequence), (json.dumps(event) + "\n").encode())
+
+    code, out, _ = run_cli(["events", "on-s3", "--storage-path", str(runs), "--json"], capsys)
+    assert code == 0
+    assert [json.loads(line) for line in out.splitlines()] == healed_run_events()
+    _, _, err = run_cli(["status", "nope", "--storage-path", str(runs)], capsys)
+    assert "runs there: lm, on-s3" in err
 
 
 def test_a_storage_path_that_does_not_exist_is_one_line_saying_to_pass_storage_path(tmp_path, capsys):

@@ -1,9 +1,14 @@
 """Bad configs are rejected before any actor starts, with messages that name the field."""
 
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.fs as pafs
 import pytest
 from pydantic import ValidationError
 
 from elastic import DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, parse_fault
+from elastic.checkpoint import Checkpoint
 from elastic.config import check_fits
 from elastic.errors import ElasticError
 from elastic.storage import RunStorage, StorageError
@@ -54,8 +59,10 @@ def test_global_batch_smaller_than_the_world_size_is_rejected():
 
 
 def test_run_names_that_are_not_folder_names_are_rejected():
-    with pytest.raises(ValidationError, match="name"):
+    with pytest.raises(ValidationError, match=r"name 'a/b' contains a path separator \('/' or '\\'\)"):
         RunConfig(name="a/b", storage_path="/tmp")
+    with pytest.raises(ValidationError, match="name '..' is the parent of storage_path, not a folder inside it"):
+        RunConfig(name="..", storage_path="/tmp")
 
 
 def test_fault_specs_parse_and_bad_ones_name_the_problem():
@@ -108,6 +115,76 @@ def test_a_train_loop_that_cannot_be_pickled_is_rejected_up_front():
             run_config=RunConfig(name="x", storage_path="/tmp"),
             data_config=DataConfig(global_batch_size=8, micro_batch_size=4, max_steps=10),
         )
+
+
+def test_an_unpicklable_train_loop_config_value_is_named_by_its_key():
+    import threading
+
+    with pytest.raises(ElasticError, match=r"train_loop_config\['lock'\] cannot be pickled \(TypeError: .*lock"):
+        _trainer(train_loop_config={"lr": 0.1, "lock": threading.Lock()})
+    with pytest.raises(ElasticError, match=r"train_loop_config\['db'\]\['pool'\]\[1\] cannot be pickled"):
+        _trainer(train_loop_config={"db": {"pool": [1, threading.Lock()]}})
+
+
+@dataclass
+class _FaultWithLock:
+    kind: str
+    rank: int
+    step: int
+    lock: Any
+
+
+def test_an_unpicklable_fault_is_named_by_its_position():
+    import threading
+
+    faults = [Fault(kind="kill", rank=0, step=1), _FaultWithLock("kill", 1, 2, threading.Lock())]
+    with pytest.raises(ElasticError, match=r"faults\[1\] cannot be pickled .*; pass elastic.Fault objects"):
+        _trainer(faults=faults)
+
+
+class _LockedHandler(pafs.FSSpecHandler):
+    """A custom filesystem holding a lock, which cannot be pickled."""
+
+    def __init__(self):
+        import threading
+
+        import fsspec
+
+        super().__init__(fsspec.filesystem("file"))
+        self.lock = threading.Lock()
+
+
+class _DriverOnlyHandler(pafs.FSSpecHandler):
+    """A custom filesystem that pickles but cannot be rebuilt, like a client bound to the driver."""
+
+    def __init__(self):
+        import fsspec
+
+        super().__init__(fsspec.filesystem("file"))
+
+    def __reduce__(self):
+        return _refuse_to_unpickle, ()
+
+
+def _refuse_to_unpickle():
+    raise RuntimeError("this filesystem only works on the driver")
+
+
+def test_a_checkpoint_to_resume_from_on_a_filesystem_that_cannot_travel_is_rejected(tmp_path):
+    checkpoint = Checkpoint(RunStorage(str(tmp_path), "step_8", pafs.PyFileSystem(_LockedHandler())), {})
+    with pytest.raises(ElasticError, match=r"resume_from cannot be pickled \(TypeError: .*lock"):
+        _trainer(resume_from=checkpoint)
+
+
+@pytest.mark.parametrize(
+    "handler, problem",
+    [(_LockedHandler, r"cannot be pickled \(TypeError: .*lock"),
+     (_DriverOnlyHandler, r"pickles but cannot be unpickled \(RuntimeError: this filesystem only works on the driver")],
+)
+def test_a_storage_filesystem_that_cannot_travel_to_the_workers_is_rejected(handler, problem):
+    run_config = RunConfig(name="x", storage_path="/tmp", storage_filesystem=pafs.PyFileSystem(handler()))
+    with pytest.raises(ElasticError, match=rf"storage_filesystem {problem}.*; every worker gets a copy"):
+        _trainer(run_config=run_config)
 
 
 def test_an_unwritable_storage_path_fails_before_anything_starts(tmp_path):

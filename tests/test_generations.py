@@ -2,8 +2,9 @@
 
 Each process runs a real TrainContext over a real process group (gloo on CPU; NCCL where
 GPUs exist). The test plays the controller's part: it offers generation 0, then, from a
-side thread once a rank has passed step 5, generation 1. Ranks see the offer at different
-moments, yet must switch at the same step, and end with identical parameters.
+side thread once a rank has passed step 5, prepares generation 1 (each rank answers its
+step, at different moments), and commits it at the largest answer plus two. Ranks must
+switch at that step, never wait for the others on the way, and end with identical parameters.
 """
 
 import os
@@ -19,17 +20,18 @@ import torch.multiprocessing as mp
 from elastic.config import DataConfig
 from elastic.context import TrainContext, _set_current
 from elastic.group import GenerationSpec
-from elastic.mailbox import GenerationMailbox
+from elastic.mailbox import PREPARE_SLACK_STEPS, GenerationMailbox
 
 pytestmark = pytest.mark.timeout(120)
 MAX_STEPS = 20
 SWITCH_AFTER = 5
 
 
-def _spec(generation, rank, world_size, port, backend):
+def _spec(generation, rank, world_size, port, backend, switch_step=None):
     return GenerationSpec(
         generation=generation, rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
         node_rank=0, store_host="127.0.0.1", store_port=port, backend=backend, reason="test", collective_timeout_s=60,
+        switch_step=switch_step,
     )
 
 
@@ -37,7 +39,8 @@ def _member(rank, world_size, port, backend, results):
     if backend == "nccl":
         # Each rank sees only its own GPU, as Ray arranges with CUDA_VISIBLE_DEVICES.
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
-    mailbox = GenerationMailbox(on_broken=lambda generation: None)
+    formed = {}
+    mailbox = GenerationMailbox(on_formed=formed.__setitem__)
     reports = []
     ctx = TrainContext(
         DataConfig(global_batch_size=12, micro_batch_size=4, max_steps=MAX_STEPS), mailbox, [], reports.append,
@@ -54,7 +57,13 @@ def _member(rank, world_size, port, backend, results):
         while ctx.step < SWITCH_AFTER:
             time.sleep(0.001)
         time.sleep(0.01 * rank)  # ranks learn of it at different times
-        mailbox.offer(_spec(1, rank, world_size, port, backend))
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+        store.set(f"answer/{rank}", str(mailbox.prepare(1)))
+        answers = [int(store.get(f"answer/{r}")) for r in range(world_size)]
+        switch_steps.append(max(answers) + PREPARE_SLACK_STEPS)
+        mailbox.offer(_spec(1, rank, world_size, port, backend, switch_step=switch_steps[0]))
+
+    switch_steps = []
 
     threading.Thread(target=offer_next_generation, daemon=True).start()
     generations = []
@@ -70,7 +79,8 @@ def _member(rank, world_size, port, backend, results):
     results[rank] = {
         "generations": generations,
         "weight": model.module.weight.detach().cpu().tolist(),
-        "formed": [mailbox.wait_formed(g, 1) for g in (0, 1)],
+        "formed": [formed[g] for g in (0, 1)],
+        "switch_step": switch_steps[0],
         "device": str(next(model.module.parameters()).device),
     }
     ctx.close()
@@ -88,6 +98,7 @@ def _check(results, device_type):
     assert len(generations) == MAX_STEPS
     assert 0 in generations and 1 in generations, "the run never switched to generation 1"
     assert all(r["generations"] == generations for r in results), "ranks switched at different steps"
+    assert generations.index(1) == results[0]["switch_step"], "the switch did not happen at the committed step"
     assert all(r["weight"] == results[0]["weight"] for r in results)
     assert all(f["ok"] for r in results for f in r["formed"])
     assert all(r["device"].startswith(device_type) for r in results)

@@ -4,7 +4,6 @@ free local port, reached through pyarrow.fs.S3FileSystem with an endpoint overri
 
 import pyarrow.fs as pafs
 import pytest
-from moto.server import ThreadedMotoServer
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, RunConfig, ScalingConfig
 from elastic.checkpoint import Checkpoint
@@ -13,14 +12,6 @@ from elastic.storage import RunStorage, StorageError
 from workloads import GLOBAL_BATCH, regression_loop
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    yield f"127.0.0.1:{server._server.server_port}"
-    server.stop()
 
 
 def _filesystem(endpoint, **options):
