@@ -79,6 +79,7 @@ class Controller:
             failures=max((e.get("failures", 0) for e in this_attempt if e["type"] == "decision"), default=0),
         )
         self.handles: dict[int, Any] = {}
+        self.avoided: set[str] = set()
         self.metrics = RunMetrics(spec.run.name)
         self.progress = ProgressTracker(spec.data.global_batch_size, spec.data.max_steps)
         self.latest_checkpoint: Checkpoint | None = None
@@ -143,6 +144,7 @@ class Controller:
 
     async def fault_fired(self, worker_id: int, fault: str, step: int, note: str = "") -> None:
         self.progress.note_step(step)
+        self.protocol.note_step(self.progress.latest_step)  # committed, though its report may never come
         self.journal.emit("fault_injected", worker_id=worker_id, fault=fault, step=step, attempt=self.spec.attempt,
                           **({"note": note} if note else {}))
         await asyncio.to_thread(self.journal.flush)
@@ -177,6 +179,7 @@ class Controller:
                     asyncio.ensure_future(self._prepare(worker_id, action.generation))
             elif isinstance(action, signals.Offer):
                 self._offer(action.formation, action.restart)
+                await self._fire_formation_faults()
             elif isinstance(action, signals.Abort):
                 abort_generation(self.store, action.generation)
                 for worker_id in action.workers:
@@ -211,6 +214,13 @@ class Controller:
                 resume_from=self.latest_checkpoint if restart else None,
             ))
 
+    async def _fire_formation_faults(self) -> None:
+        """An injected controller death right after an offer: the formation is under way."""
+        for fault in self.spec.faults:
+            if fault.kind == "controller-kill" and fault.where == "formation" \
+                    and self.protocol.committed_step >= fault.step and self.store.add(f"fault/{fault.spec()}", 1) == 1:
+                await self.fault_fired(-1, fault.spec(), self.protocol.committed_step)
+
     async def _poll(self, members: tuple[int, ...]) -> None:
         async def one(worker_id: int) -> signals.WorkerProgress | None:
             answer = await _answer_within(self.handles[worker_id].progress.remote(), PING_TIMEOUT_S)
@@ -227,10 +237,11 @@ class Controller:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         avoid = policies.nodes_to_avoid(self.protocol.node_failures, time.time(), config.node_failure_limit,
                                         config.node_cooldown_s, alive)
-        if avoid:
-            self.journal.emit("decision", action="AVOID_NODE", nodes=sorted(avoid), failures=self.protocol.failures,
-                              reason=f"{config.node_failure_limit} worker failures within FailureConfig("
-                              f"node_cooldown_s={config.node_cooldown_s}); new workers avoid these nodes until then")
+        for node in sorted(avoid - self.avoided):
+            self.journal.emit("decision", action="AVOID_NODE", node=node, failures=self.protocol.failures,
+                              reason=f"{config.node_failure_limit} worker failures on node {node} within FailureConfig("
+                              f"node_cooldown_s={config.node_cooldown_s}); new workers avoid it until then")
+        self.avoided = avoid
         placement = NodeLabelSchedulingStrategy(hard={NODE_ID_LABEL: NotIn(*sorted(avoid))}) if avoid else None
         for worker_id in worker_ids:
             handle = Worker.options(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, max_restarts=0,

@@ -118,6 +118,7 @@ class Worker:
     @ray.method(concurrency_group="control")
     def prepare(self, generation: int) -> int:
         """Phase one of a planned switch: the step this rank is at (see elastic.mailbox)."""
+        self.ctx.faults.at("prepare", self.ctx.rank, self.ctx.step)
         return self.mailbox.prepare(generation)
 
     @ray.method(concurrency_group="control")

@@ -36,7 +36,8 @@ from elastic import data as data_math
 from elastic.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, take_snapshot
 from elastic.config import CheckpointConfig, DataConfig
 from elastic.errors import ElasticError, WorkerEvictedError
-from elastic.faults import Fault, InjectedError
+from elastic.faults import Fault
+from elastic.injection import FaultInjector
 from elastic.group import (
     GenerationSpec,
     StoreClient,
@@ -161,9 +162,8 @@ class TrainContext:
         self._group: tuple[int, dist.ProcessGroup] | None = None
         self._group_lock = threading.Lock()
         self._compute_s = 0.0
-        self._slow_extra_s = 0.0
         self.mailbox = mailbox
-        self.faults = faults
+        self.faults = FaultInjector(faults, self._claim)
         self._report_sink = report_sink
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         self.spec: GenerationSpec | None = None
@@ -257,7 +257,7 @@ class TrainContext:
             if switch is not None:
                 self._join(reason="rescale")
                 continue
-            self._fire_faults_at_step_start()
+            self.faults.at("step_start", self.rank, self._step_index, self._compute_s)
             step = Step(self, self._step_index, self._cursor)
             self._current_step = step
             yield step
@@ -296,8 +296,8 @@ class TrainContext:
         indices = data_math.step_indices(step.cursor, order, cfg.global_batch_size, step.world_size, step.rank)
         bounds = data_math.micro_bounds(len(indices), cfg.micro_batch_size)
         ddp = self._model.ddp if self._model else None
-        if self._slow_extra_s:
-            time.sleep(self._slow_extra_s)  # an injected straggler
+        if self.faults.slow_extra_s:
+            time.sleep(self.faults.slow_extra_s)  # an injected straggler
         for i, (start, stop) in enumerate(bounds):
             chunk = indices[start:stop]
             batch = MicroBatch(
@@ -330,7 +330,7 @@ class TrainContext:
         if exc is None:
             self._commit()
             if step.compute_s is not None:
-                self._compute_s = step.compute_s - self._slow_extra_s
+                self._compute_s = step.compute_s - self.faults.slow_extra_s
             self._report_sink(
                 {
                     "kind": "step",
@@ -384,7 +384,7 @@ class TrainContext:
         started = time.perf_counter()
         states = {name: state_of(obj) for name, obj in self._objects.items()}
         snapshot = take_snapshot(states, {"step": self._step_index, "cursor": self._cursor.to_dict()})
-        crash = any(f.kind == "checkpoint-crash" and self._due(f) for f in self.faults)
+        crash = self.faults.crash_checkpoint(self.rank, self._step_index)
         self._wait_for_writer()  # one upload at a time: back-pressure, reported as progress
         self._writer.submit(snapshot, self.rank, self.world_size, time.perf_counter() - started,
                             self._checkpoint_files, self._checkpoint_metadata, crash_midway=crash)
@@ -435,11 +435,12 @@ class TrainContext:
         started = time.perf_counter()
         self._leave()
         store = self._store.get(spec.store_host, spec.store_port)
+        self.spec = spec
+        self.faults.at("barrier", spec.rank, self._step_index)
         self._arrived = spec.generation
         if not rendezvous(spec, store):
             return None
         arrived = time.perf_counter()
-        self.spec = spec
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         form_group(spec, store)
@@ -487,20 +488,9 @@ class TrainContext:
         ddp = DistributedDataParallel(
             module, device_ids=[self.device.index] if self.device.type == "cuda" else None, init_sync=False
         )
-        if any(f.kind == "hang" or (f.kind == "kill" and f.where == "allreduce") for f in self.faults):
+        if self.faults.needs_comm_hook:
             ddp.register_comm_hook(self, _counted_allreduce)
         return ddp
-
-    def _fire_faults_at_step_start(self) -> None:
-        for fault in self.faults:
-            if fault.kind in ("kill", "node-loss") and fault.where == "step_start" and self._due(fault):
-                _die()  # for node-loss, the worker's handler has already taken the node down
-            elif fault.kind == "raise" and self._due(fault):
-                raise InjectedError(f"injected application error on rank {self.rank} at step {self._step_index}")
-            elif fault.kind == "slow" and self._due(fault):
-                self._slow_extra_s = (fault.factor - 1) * self._compute_s
-            elif fault.kind == "controller-kill" and self._due(fault):
-                pass  # the worker's handler has already told the controller to die
 
     def abort_stale_group(self, newer_generation: int) -> None:
         """Abort the NCCL communicator of a generation older than `newer_generation`, from the
@@ -526,10 +516,8 @@ class TrainContext:
         return {"step": self._step_index, "entered_sync": self._entered_sync, "launched": self._launched,
                 "arrived": self._arrived, "checkpointing": self._waiting_on_checkpoint}
 
-    def _due(self, fault: Fault) -> bool:
-        """True once per run, for the rank that first meets the fault at its step."""
-        if fault.rank != self.rank or fault.step != self._step_index:
-            return False
+    def _claim(self, fault: Fault) -> bool:
+        """Claim `fault` for this rank; True once per run, for the first rank to meet it."""
         store = self._store.get(self.spec.store_host, self.spec.store_port)
         if store.add(f"fault/{fault.spec()}", 1) != 1:
             return False
@@ -547,20 +535,11 @@ def _counted_allreduce(ctx, bucket):
     small model's step. Unannotated on purpose: DDP rejects a hook whose annotations are
     strings, which `from __future__ import annotations` would make them.
     """
-    for fault in ctx.faults:
-        if fault.kind == "kill" and fault.where == "allreduce" and ctx._due(fault):
-            _die()
-        if fault.kind == "hang" and ctx._due(fault):
-            threading.Event().wait()  # never set: this rank never contributes to the all-reduce
+    ctx.faults.at("allreduce", ctx.rank, ctx.step)
     tensor = bucket.buffer().div_(dist.get_world_size())
     work = dist.all_reduce(tensor, async_op=True)
     ctx._launched += 1
     return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def _die() -> None:
-    """Injected process death: no cleanup, no exit handlers, exactly like a crash."""
-    os._exit(1)
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -78,9 +78,10 @@ class Protocol:
     failed_formations: int = 0
     heals_without_step: int = 0
     committed_at_step: int = -1
-    committed_heal: bool = False
     first_ready_at: float | None = None
     polling: bool = False
+    stalled_s: float = 0.0  # how long the run had gone without progress when it was polled
+    deadline_s: float = 0.0  # the hang deadline it was past
 
     # --- entry points ---------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
@@ -219,6 +220,7 @@ class Protocol:
         if stalled <= obs.deadline_s or self.polling:
             return []
         self.polling = True
+        self.stalled_s, self.deadline_s = stalled, obs.deadline_s
         watched = state.formation.members if isinstance(state, Forming) else self.members
         return [PollProgress(tuple(w for w in watched if self.workers[w].status != Status.GONE))]
 
@@ -234,12 +236,19 @@ class Protocol:
             acked = dict(state.acked)
             suspects = {w: p for w, p in suspects.items()
                         if w not in acked and (p is None or p.arrived < state.formation.generation)}
+        hung = policies.find_hung({w: p and (p.step, p.entered_sync, p.launched) for w, p in suspects.items()})
+        others_wait = len(suspects) < len(obs.answers)  # some members wait at the barrier for these
+        if not others_wait and set(hung) == set(suspects) and all(p is not None for p in suspects.values()) \
+                and self.stalled_s < self.failure.hang_ceiling_s:
+            # Everyone answers and nobody is behind (a long evaluation, a slow filesystem):
+            # nothing points at a culprit, so only the ceiling ends the wait.
+            return []
         actions: list[Action] = []
-        for worker_id in policies.find_hung({w: p and (p.step, p.entered_sync, p.launched) for w, p in suspects.items()}):
+        for worker_id in hung:
             kind = "stuck" if suspects[worker_id] is None else "hang"
             why = ("answered no ping" if kind == "stuck" else
                    f"was behind its peers at {suspects[worker_id]}, past the hang deadline")
-            actions += self._evict(worker_id, kind, why)
+            actions += self._evict(worker_id, kind, why, detect_s=self.stalled_s, deadline_s=self.deadline_s)
         return actions
 
     # --- decisions --------------------------------------------------------------------------
@@ -282,7 +291,7 @@ class Protocol:
         heal = formation.reason in (Reason.HEAL, Reason.RESTART)
         self.running, self.members, self.broken = formation.generation, formation.members, False
         self.failed_formations, self.progress_at = 0, now
-        self.committed_at_step, self.committed_heal = self.committed_step, heal
+        self.committed_at_step = self.committed_step
         for worker_id in formation.members:
             self.workers[worker_id].status = Status.MEMBER
             self.workers[worker_id].holds_state = True
@@ -327,7 +336,7 @@ class Protocol:
             if not self.broken:
                 self.broken = True
                 self.failure_at = self.failure_at or now
-                if self.committed_heal and self.committed_step == self.committed_at_step:
+                if self.committed_step == self.committed_at_step:
                     self.heals_without_step += 1
                 limit = self.failure.max_heals_without_step
                 if self.heals_without_step > limit:
@@ -350,6 +359,11 @@ class Protocol:
         assert isinstance(state, (Preparing, Forming))
         formation = state.formation
         live = tuple(w for w in formation.members if self.workers[w].status != Status.GONE)
+        if isinstance(state, Forming) and formation.reason == Reason.GROW:
+            # Members may already have left the running generation at the switch step: it
+            # must be healed, or they would wait for an offer forever.
+            self.broken = True
+            self.failure_at = self.failure_at or now
         if self.running >= 0:
             self.state = Running(self.running)
         else:
@@ -358,11 +372,11 @@ class Protocol:
                 Emit("state", {"state": "ABORTED", "generation": formation.generation,
                                "reason": f"generation {formation.generation} aborted before it committed"})]
 
-    def _evict(self, worker_id: int, kind: str, why: str) -> list[Action]:
+    def _evict(self, worker_id: int, kind: str, why: str, **fields: float) -> list[Action]:
         """Kill a live worker; its death then heals like any other."""
         record = self.workers[worker_id]
         record.evicted_for = kind
-        return [self._worker_failed(worker_id, kind, why), Kill(worker_id)]
+        return [self._worker_failed(worker_id, kind, why, **fields), Kill(worker_id)]
 
     def _evict_straggler(self, worker_id: int, reason: str) -> list[Action]:
         if self.workers[worker_id].status != Status.MEMBER or self.workers[worker_id].evicted_for:
@@ -399,8 +413,8 @@ class Protocol:
     def _decision(self, action: str, reason: str) -> Emit:
         return Emit("decision", {"action": action, "reason": reason, "failures": self.failures})
 
-    def _worker_failed(self, worker_id: int, kind: str, cause: str) -> Emit:
+    def _worker_failed(self, worker_id: int, kind: str, cause: str, **fields: float) -> Emit:
         record = self.workers[worker_id]
         rank = self.members.index(worker_id) if worker_id in self.members else None
         return Emit("worker_failed", {"worker_id": worker_id, "rank": rank, "node": record.node, "pid": record.pid,
-                                      "kind": kind, "cause": cause, "generation": self.running})
+                                      "kind": kind, "cause": cause, "generation": self.running, **fields})

@@ -1,0 +1,441 @@
+"""Every transition of the controller's protocol, with a fake worker group and no Ray.
+
+`FakeWorkerGroup` carries out the protocol's actions in memory and feeds back what real
+workers would report, through hooks such as `die(w)` and `form(g)`. Each test advances the
+protocol one observation at a time and reads as the rule it checks.
+"""
+
+import pytest
+
+from elastic.config import FailureConfig, ScalingConfig
+from elastic.mailbox import PREPARE_SLACK_STEPS
+from elastic.protocol import MAX_FAILED_FORMATIONS, START_GRACE_S, Protocol, Status
+from elastic.signals import (
+    Abort, Emit, Exit, FormedReport, GroupBroken, Kill, Offer, PollProgress, Prepare, ProgressPolled, StartWorkers,
+    SwitchPrepared, Tick, WorkerExited, WorkerProgress, WorkerReady,
+)
+from elastic.states import Reason
+
+MAX_STEPS = 1000
+
+
+class FakeWorkerGroup:
+    """The workers' side of the protocol, in memory."""
+
+    def __init__(self, min_workers=2, max_workers=3, spare_workers=0, max_steps=MAX_STEPS, **failure):
+        self.protocol = Protocol(
+            ScalingConfig(min_workers=min_workers, max_workers=max_workers, spare_workers=spare_workers),
+            FailureConfig(**failure), max_steps,
+        )
+        self.now = 100.0
+        self.actions = []
+        self.offers: dict[int, Offer] = {}
+        self.prepares: dict[int, Prepare] = {}
+        self.aborted: list[int] = []
+        self.killed: list[int] = []
+        self.polls: list[PollProgress] = []
+        self.started: list[int] = []
+        self._carry(self.protocol.start(self.now))
+
+    # --- what happens to workers --------------------------------------------------------
+    def send(self, observation, after_s=0.01):
+        self.now += after_s
+        actions = self.protocol.step(observation, self.now)
+        self._carry(actions)
+        return actions
+
+    def ready(self, *worker_ids):
+        for worker_id in worker_ids:
+            self.send(WorkerReady(worker_id, node=f"node-{worker_id}", pid=1000 + worker_id))
+
+    def die(self, worker_id):
+        return self.send(WorkerExited(worker_id, Exit.DIED, "ActorDiedError: worker process died"))
+
+    def raise_error(self, worker_id):
+        return self.send(WorkerExited(worker_id, Exit.APP_ERROR, "ValueError: bug", traceback="tb"))
+
+    def finish(self, worker_id, value=None):
+        return self.send(WorkerExited(worker_id, Exit.FINISHED, step=MAX_STEPS, value=value))
+
+    def form(self, generation=None, members=None, step=0):
+        """Every (or the given) member of `generation` reports it formed."""
+        generation = self.latest_offer.formation.generation if generation is None else generation
+        for worker_id in members or self.offers[generation].formation.members:
+            self.send(FormedReport(worker_id, generation, ok=True, step=step, timings={"sync_s": 0.01}))
+
+    def answer_prepare(self, steps):
+        generation = max(self.prepares)
+        for worker_id, step in steps.items():
+            self.send(SwitchPrepared(worker_id, generation, step))
+
+    def start_run(self, *worker_ids):
+        """Start workers, form the first generation and commit it."""
+        self.ready(*worker_ids)
+        if not self.offers:
+            self.send(Tick(), after_s=START_GRACE_S + 0.1)
+        self.form()
+
+    # --- what the protocol did ------------------------------------------------------------
+    @property
+    def state(self):
+        return self.protocol.state.name
+
+    @property
+    def latest_offer(self):
+        return self.offers[max(self.offers)]
+
+    def events(self, type):
+        return [a.fields for a in self.actions if isinstance(a, Emit) and a.type == type]
+
+    def _carry(self, actions):
+        self.actions += actions
+        for action in actions:
+            if isinstance(action, Offer):
+                self.offers[action.formation.generation] = action
+            elif isinstance(action, Prepare):
+                self.prepares[action.generation] = action
+            elif isinstance(action, Abort):
+                self.aborted.append(action.generation)
+            elif isinstance(action, Kill):
+                self.killed.append(action.worker_id)
+            elif isinstance(action, PollProgress):
+                self.polls.append(action)
+            elif isinstance(action, StartWorkers):
+                self.started += action.worker_ids
+
+
+def progress(step=10, arrived=-1, checkpointing=False, entered_sync=None):
+    entered = step if entered_sync is None else entered_sync
+    return WorkerProgress(step=step, entered_sync=entered, launched=entered, arrived=arrived, checkpointing=checkpointing)
+
+
+# --- starting ---------------------------------------------------------------------------------
+def test_start_requests_max_workers_plus_spares():
+    group = FakeWorkerGroup(max_workers=3, spare_workers=1)
+    assert group.started == [0, 1, 2, 3]
+    assert group.state == "WAITING"
+
+
+def test_the_first_generation_waits_briefly_for_workers_starting_alongside():
+    group = FakeWorkerGroup(min_workers=2, max_workers=3)
+    group.ready(0, 1)
+    assert not group.offers, "formed before the third worker had its grace period"
+    group.send(Tick(), after_s=START_GRACE_S + 0.1)
+    assert group.latest_offer.formation.members == (0, 1)
+
+
+def test_the_first_generation_restores_the_checkpoint_and_commits_when_every_member_formed():
+    group = FakeWorkerGroup()
+    group.ready(0, 1, 2)
+    offer = group.latest_offer
+    assert offer.restart and offer.formation.reason == Reason.START and offer.formation.members == (0, 1, 2)
+    group.form(members=(0, 1))
+    assert group.state == "FORMING", "committed before every member acknowledged"
+    group.form(members=(2,))
+    assert group.state == "RUNNING"
+    [formed] = group.events("generation_formed")
+    assert formed["generation"] == 0 and formed["world_size"] == 3
+
+
+def test_waiting_below_min_workers_fails_after_the_capacity_timeout():
+    group = FakeWorkerGroup(min_workers=2, capacity_timeout_s=5)
+    group.ready(0)
+    group.send(Tick(), after_s=START_GRACE_S + 0.1)
+    assert group.state == "WAITING"
+    group.send(Tick(), after_s=10)
+    assert group.state == "FAILED" and group.protocol.state.kind == "capacity"
+    assert "min_workers(2)" in group.protocol.state.error
+
+
+# --- healing ------------------------------------------------------------------------------------
+def test_a_death_is_healed_at_once_without_the_dead_and_a_replacement_is_requested():
+    group = FakeWorkerGroup()
+    group.start_run(0, 1, 2)
+    group.die(1)
+    offer = group.latest_offer
+    assert offer.formation.reason == Reason.HEAL and offer.formation.members == (0, 2)
+    assert not offer.restart and offer.formation.switch_step is None
+    assert group.started[-1] == 3
+    group.form(step=16)
+    [recovery] = group.events("recovery")
+    assert recovery["world_size"] == 2 and not recovery["from_checkpoint"]
+    assert group.protocol.failures == 0, "a death is not a failure"
+
+
+def test_a_broken_group_heals_every_member_still_alive():
+    group = FakeWorkerGroup()
+    group.start_run(0, 1, 2)
+    group.send(GroupBroken(0, generation=0))
+    assert group.latest_offer.formation.members == (0, 1, 2)
+    group.send(GroupBroken(2, generation=0))
+    assert len(group.offers) == 2, "a second report of the same break offered again"
+
+
+def test_a_death_during_a_heal_aborts_it_and_offers_the_next_generation_without_the_dead():
+    group = FakeWorkerGroup()
+    group.start_run(0, 1, 2)
+    group.send(GroupBroken(0, generation=0))
+    group.form(members=(0,))
+    group.die(2)
+    assert group.aborted == [1]
+    assert group.latest_offer.formation.generation == 2 and group.latest_offer.formation.members == (0, 1)
+    group.form(generation=1)  # stale reports of the aborted generation change nothing
+    assert group.state == "FORMING"
+    group.form(generation=2)
+    assert group.state == "RUNNING" and group.protocol.members == (0, 1)
+
+
+def test_two_deaths_within_milliseconds_end_in_one_generation_of_the_survivors():
+    group = FakeWorkerGroup(min_workers=1, max_workers=4)
+    group.start_run(0, 1, 2, 3)
+    group.die(1)
+    group.die(2)
+    group.form()
+    assert group.protocol.members == (0, 3) and group.state == "RUNNING"
+
+
+def test_a_stale_report_of_an_older_generation_is_ignored():
+    group = FakeWorkerGroup()
+    group.start_run(0, 1, 2)
+    group.die(2)
+    group.form()
+    assert group.send(GroupBroken(0, generation=0)) == []
+
+
+# --- growing ------------------------------------------------------------------------------------
+def _grown_to_prepare(group):
+    group.start_run(0, 1)
+    group.ready(2)
+    return group
+
+
+def test_a_ready_newcomer_grows_the_run_at_the_switch_step_the_members_cannot_have_passed():
+    group = _grown_to_prepare(FakeWorkerGroup(min_workers=1, max_workers=3))
+    assert group.state == "PREPARING" and group.prepares[1].members == (0, 1)
+    assert 1 not in group.offers, "offered before the members answered"
+    group.answer_prepare({0: 40, 1: 41})
+    offer = group.latest_offer
+    assert offer.formation.switch_step == 41 + PREPARE_SLACK_STEPS
+    assert offer.formation.members == (0, 1, 2) and offer.formation.reason == Reason.GROW
+    group.form()
+    assert group.state == "RUNNING" and group.events("rescale")[-1]["to_size"] == 3
+
+
+def test_a_member_death_while_preparing_a_grow_turns_it_into_a_heal_with_the_newcomer():
+    group = _grown_to_prepare(FakeWorkerGroup(min_workers=1, max_workers=3))
+    group.die(0)
+    assert group.aborted == [1]
+    offer = group.latest_offer
+    assert offer.formation.reason == Reason.HEAL and offer.formation.members == (1, 2)
+
+
+@pytest.mark.parametrize("newcomer_arrived", [False, True])
+def test_a_member_death_during_a_grow_formation_aborts_it_and_heals(newcomer_arrived):
+    group = _grown_to_prepare(FakeWorkerGroup(min_workers=1, max_workers=3))
+    group.answer_prepare({0: 40, 1: 40})
+    if newcomer_arrived:
+        group.form(members=(2,))
+    group.die(1)
+    assert group.aborted == [1]
+    offer = group.latest_offer
+    assert offer.formation.generation == 2 and offer.formation.members == (0, 2)
+    assert offer.formation.reason == Reason.HEAL and not offer.restart
+
+
+def test_a_newcomer_death_right_after_it_joined_aborts_the_grow_and_heals_the_members():
+    group = _grown_to_prepare(FakeWorkerGroup(min_workers=1, max_workers=3))
+    group.answer_prepare({0: 40, 1: 40})
+    group.form(members=(0, 1))
+    group.die(2)
+    assert group.aborted == [1]
+    # The members may have left the old group at the switch step: they are offered a heal.
+    offer = group.latest_offer
+    assert offer.formation.members == (0, 1) and offer.formation.reason == Reason.HEAL
+
+
+def test_a_group_break_during_a_grow_formation_does_not_abort_it():
+    group = _grown_to_prepare(FakeWorkerGroup(min_workers=1, max_workers=3))
+    group.answer_prepare({0: 40, 1: 40})
+    assert group.send(GroupBroken(1, generation=0)) == []
+    group.form()
+    assert group.state == "RUNNING" and group.protocol.running == 1
+
+
+def test_no_grow_is_started_when_the_switch_step_would_be_past_max_steps():
+    group = FakeWorkerGroup(min_workers=1, max_workers=3, max_steps=42)
+    _grown_to_prepare(group)
+    group.answer_prepare({0: 40, 1: 41})
+    assert group.aborted == [1] and group.state == "RUNNING"
+    assert group.protocol.workers[2].status == Status.IDLE
+
+
+# --- warm spares ----------------------------------------------------------------------------------
+def test_a_warm_spare_replaces_a_dead_member_in_the_heal_itself():
+    group = FakeWorkerGroup(min_workers=1, max_workers=2, spare_workers=1)
+    group.start_run(0, 1, 2)
+    assert group.protocol.members == (0, 1) and group.protocol.workers[2].status == Status.IDLE
+    group.die(0)
+    assert group.latest_offer.formation.members == (1, 2)
+    assert group.started[-1] == 3, "a new spare is requested"
+    group.form()
+    assert group.events("generation_formed")[-1]["world_size"] == 2
+
+
+# --- state never silently goes back to step 0 ---------------------------------------------------
+def test_newcomers_alone_never_form_with_fresh_weights_they_restart_from_the_checkpoint():
+    group = FakeWorkerGroup(min_workers=1, max_workers=2, max_failures=1)
+    group.start_run(0, 1)
+    group.die(0)
+    group.die(1)
+    group.ready(2, 3)
+    offer = group.latest_offer
+    assert offer.restart and offer.formation.reason == Reason.RESTART
+    assert group.events("decision")[-1]["action"] == "RESTART"
+
+
+def test_losing_every_worker_fails_the_run_past_max_failures():
+    group = FakeWorkerGroup(min_workers=1, max_workers=1)
+    group.start_run(0)
+    group.die(0)
+    assert group.state == "FAILED" and group.protocol.state.kind == "all_lost"
+
+
+def test_a_newcomer_that_synced_in_an_aborted_generation_does_not_count_as_holding_state():
+    group = FakeWorkerGroup(min_workers=1, max_workers=2, max_failures=1)
+    group.start_run(0)
+    group.ready(1)
+    group.answer_prepare({0: 5})
+    group.form(members=(1,))
+    group.die(0)
+    assert group.latest_offer.restart, "a newcomer of an uncommitted generation was trusted with the run's state"
+
+
+def test_a_restarted_controller_continues_the_generation_numbers_and_failure_count():
+    protocol = Protocol(ScalingConfig(min_workers=1, max_workers=1), FailureConfig(max_failures=3), MAX_STEPS,
+                        generation=7, failures=2)
+    protocol.start(0.0)
+    actions = protocol.step(WorkerReady(0, "n", 1), 1.0)
+    [offer] = [a for a in actions if isinstance(a, Offer)]
+    assert offer.formation.generation == 8 and protocol.failures == 2
+
+
+# --- failures ---------------------------------------------------------------------------------------
+def test_an_application_error_is_counted_and_healed_within_max_failures():
+    group = FakeWorkerGroup(max_failures=1)
+    group.start_run(0, 1, 2)
+    group.raise_error(1)
+    assert group.killed == [1] and group.protocol.failures == 1
+    assert group.latest_offer.formation.members == (0, 2)
+    group.form()
+    group.raise_error(0)
+    assert group.state == "FAILED" and group.protocol.state.kind == "app_error"
+    assert group.protocol.state.traceback == "tb"
+
+
+def test_generations_in_a_row_that_lose_a_member_before_a_step_fail_the_run_as_a_crash_loop():
+    group = FakeWorkerGroup(min_workers=1, max_workers=3, max_heals_without_step=1)
+    group.start_run(0, 1, 2)
+    group.die(2)
+    assert group.state == "FORMING"
+    group.form()
+    group.die(1)
+    assert group.state == "FAILED" and group.protocol.state.kind == "crash_loop"
+    assert "max_heals_without_step=1" in group.protocol.state.error
+
+
+def test_a_committed_step_between_heals_resets_the_crash_loop_count():
+    group = FakeWorkerGroup(min_workers=1, max_workers=3, max_heals_without_step=0)
+    group.start_run(0, 1, 2)
+    for step, worker_id in enumerate((2, 1), start=1):
+        group.protocol.note_step(step)
+        group.die(worker_id)
+        group.form()
+    assert group.state == "RUNNING" and group.protocol.members == (0,)
+
+
+def test_a_generation_that_fails_to_form_is_offered_again_and_the_run_fails_past_the_limit():
+    group = FakeWorkerGroup()
+    group.start_run(0, 1, 2)
+    group.die(2)
+    for _ in range(MAX_FAILED_FORMATIONS + 1):
+        generation = group.latest_offer.formation.generation
+        group.send(FormedReport(0, generation, ok=False, error="DistNetworkError: connect timeout"))
+    assert group.state == "FAILED" and group.protocol.state.kind == "formation"
+    assert any(d["action"] == "REFORM" for d in group.events("decision"))
+
+
+# --- hangs ------------------------------------------------------------------------------------------
+def test_a_stall_past_the_deadline_polls_the_members_and_kills_the_one_behind():
+    group = FakeWorkerGroup()
+    group.start_run(0, 1, 2)
+    group.send(Tick(last_step_at=group.now, deadline_s=5.0), after_s=1.0)
+    assert not group.polls
+    group.send(Tick(last_step_at=group.now - 6, deadline_s=5.0), after_s=6.0)
+    assert group.polls[-1].members == (0, 1, 2)
+    group.send(ProgressPolled({0: progress(10), 1: progress(10, entered_sync=9), 2: progress(10)}))
+    assert group.killed == [1]
+    assert group.events("worker_failed")[-1]["kind"] == "hang"
+
+
+def test_a_member_that_answers_no_ping_is_stuck_and_killed():
+    group = FakeWorkerGroup()
+    group.start_run(0, 1, 2)
+    group.send(Tick(deadline_s=1.0), after_s=2.0)
+    group.send(ProgressPolled({0: progress(), 1: None, 2: progress()}))
+    assert group.killed == [1] and group.events("worker_failed")[-1]["kind"] == "stuck"
+
+
+def test_members_that_all_answer_and_are_alike_are_not_killed_before_the_ceiling():
+    group = FakeWorkerGroup(hang_ceiling_s=60)
+    group.start_run(0, 1, 2)
+    group.send(Tick(deadline_s=5.0), after_s=10.0)
+    group.send(ProgressPolled({0: progress(), 1: progress(), 2: progress()}))
+    assert group.killed == []
+
+
+def test_a_checkpoint_upload_holding_the_run_up_is_progress_not_a_hang():
+    group = FakeWorkerGroup()
+    group.start_run(0, 1, 2)
+    group.send(Tick(deadline_s=1.0), after_s=2.0)
+    group.send(ProgressPolled({0: progress(checkpointing=True), 1: progress(entered_sync=3), 2: progress()}))
+    assert group.killed == []
+    assert group.send(Tick(deadline_s=1.0), after_s=0.5) == [], "the upload did not count as progress"
+
+
+def test_during_a_formation_only_the_member_that_never_reached_the_barrier_is_hung():
+    group = FakeWorkerGroup()
+    group.start_run(0, 1, 2)
+    group.send(GroupBroken(0, generation=0))
+    group.form(members=(0,))
+    group.send(Tick(deadline_s=1.0), after_s=2.0)
+    assert group.polls[-1].members == (0, 1, 2)
+    group.send(ProgressPolled({0: progress(arrived=1), 1: progress(arrived=1), 2: progress(arrived=0)}))
+    assert group.killed == [2]
+
+
+def test_a_straggler_is_evicted_with_its_reason():
+    group = FakeWorkerGroup()
+    group.start_run(0, 1, 2)
+    group.send(Tick(straggler=(2, "its compute took 3x the others' median")))
+    assert group.killed == [2]
+    assert group.events("decision")[-1]["action"] == "EVICT"
+
+
+# --- finishing --------------------------------------------------------------------------------------
+def test_the_run_finishes_when_every_member_ended_and_returns_rank_0s_value():
+    group = FakeWorkerGroup()
+    group.start_run(0, 1, 2)
+    group.finish(1, value="one")
+    assert group.state == "FINISHING"
+    group.finish(0, value="zero")
+    group.finish(2, value="two")
+    assert group.state == "FINISHED" and group.protocol.rank0_outcome().value == "zero"
+
+
+def test_a_finishing_run_aborts_a_pending_grow():
+    group = _grown_to_prepare(FakeWorkerGroup(min_workers=1, max_workers=3))
+    group.answer_prepare({0: 40, 1: 40})
+    group.finish(0)
+    assert group.aborted == [1] and group.state == "FINISHING"
+    group.die(1)
+    assert group.state == "FINISHED"
