@@ -72,6 +72,7 @@ def regression_loop(config: dict) -> dict:
                 if len(set(digests)) != 1:
                     raise AssertionError(f"ranks differ after generation {ctx.generation} formed: {digests}")
                 checked.append(ctx.generation)
+            time.sleep(config.get("compute_s", 0.0))  # a slow step's compute, inside the step
             counts = torch.zeros(NUM_SAMPLES, dtype=torch.float64)
             for mb in step.micro_batches():
                 x, y = mb.data

@@ -1,0 +1,220 @@
+"""Chaos matrix: step time crossed with the moment a fault lands.
+
+Each cell is a run with `min_workers=1, max_workers=3` and checkpoints every 8 steps, in
+which deaths land at one kind of moment: at a step's start, inside the gradient all-reduce,
+while a heal forms, while a grow forms (before and after the newcomer arrived), while a
+checkpoint is written, two within 100 ms, on rank 0, on a newcomer right after it joined, on
+the controller while it forms a generation, and on every worker at once. Some are injected
+with `Fault` at exact protocol points; the others are SIGKILLs sent from this process to the
+worker's pid, at moments that fall inside steps.
+
+Step times: fast (a few ms of compute) and slow (a sleep inside each step, standing for a
+compute of seconds; the hang floor is lowered so deadlines keep the ratios of 3 s steps).
+
+Every cell must end with: the run completed; every sample of every epoch consumed exactly
+once; final parameters equal to a fault-free fixed-size run within 1e-9 (float64); nobody
+killed but the victims (no survivor restarted), or, where a restart is the documented
+outcome, the first generation after it formed at the checkpoint's step.
+
+    pytest tests/test_chaos_matrix.py              # in CI
+    pytest -m soak tests/test_chaos_matrix.py      # plus a real 3 s-step run
+"""
+
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import ray
+import torch
+
+from elastic import CheckpointConfig, DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
+from elastic.events import read_events
+from elastic.storage import RunStorage
+from workloads import GLOBAL_BATCH, STEPS_PER_EPOCH, regression_loop
+
+PARAM_TOLERANCE = 1e-9
+CHECKPOINT_EVERY = 8
+
+
+@dataclass(frozen=True)
+class Pace:
+    max_steps: int
+    compute_s: float
+    hang_floor_s: float
+
+
+FAST = Pace(max_steps=40 * STEPS_PER_EPOCH, compute_s=0.0, hang_floor_s=2.0)
+SLOW = Pace(max_steps=8 * STEPS_PER_EPOCH, compute_s=0.25, hang_floor_s=1.0)
+SOAK = Pace(max_steps=3 * STEPS_PER_EPOCH, compute_s=3.0, hang_floor_s=10.0)
+
+
+@dataclass(frozen=True)
+class Cell:
+    faults: tuple = ()
+    kill: str = ""  # an outside SIGKILL: "rank1-mid-step", "ranks1-2-within-100ms", "rank0", "newcomer", "all"
+    restart: bool = False  # a restart from the checkpoint is the documented outcome
+    victims: int = 1  # workers that die
+
+
+CELLS = {
+    "step-start": Cell(faults=(Fault(kind="kill", rank=1, step=12),)),
+    "mid-allreduce": Cell(faults=(Fault(kind="kill", rank=1, step=12, where="allreduce"),)),
+    "mid-step-sigkill": Cell(kill="rank1-mid-step"),
+    "heal-formation": Cell(faults=(Fault(kind="kill", rank=2, step=12), Fault(kind="kill", rank=1, step=12, where="barrier")),
+                           victims=2),
+    "grow-before-newcomer-joined": Cell(faults=(Fault(kind="kill", rank=2, step=4),
+                                                Fault(kind="kill", rank=0, step=5, where="prepare")), victims=2),
+    "grow-after-newcomer-joined": Cell(faults=(Fault(kind="kill", rank=2, step=4),
+                                               Fault(kind="kill", rank=1, step=5, where="barrier")), victims=2),
+    "checkpoint-write": Cell(faults=(Fault(kind="checkpoint-crash", rank=1, step=16),)),
+    "two-deaths-within-100ms": Cell(kill="ranks1-2-within-100ms", victims=2),
+    "rank-0": Cell(kill="rank0"),
+    "newcomer-right-after-it-joined": Cell(faults=(Fault(kind="kill", rank=2, step=4),), kill="newcomer", victims=2),
+    "controller-during-formation": Cell(faults=(Fault(kind="kill", rank=1, step=12),
+                                                Fault(kind="controller-kill", step=12, where="formation")),
+                                        restart=True),
+    "every-worker": Cell(kill="all", restart=True, victims=3),
+}
+SLOW_CELLS = ("mid-step-sigkill", "heal-formation", "grow-before-newcomer-joined", "grow-after-newcomer-joined",
+              "newcomer-right-after-it-joined")
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _trainer(tmp_path, name, pace, workers, faults=()):
+    return ElasticTrainer(
+        regression_loop,
+        train_loop_config={"max_steps": pace.max_steps, "compute_s": pace.compute_s, "sleep_s": 0.005},
+        scaling_config=ScalingConfig(min_workers=workers[0], max_workers=workers[1]),
+        run_config=RunConfig(
+            name=name, storage_path=str(tmp_path),
+            checkpoint_config=CheckpointConfig(every_steps=CHECKPOINT_EVERY, keep_last=2),
+            failure_config=FailureConfig(max_failures=1, hang_floor_s=pace.hang_floor_s, hang_factor=10),
+        ),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=pace.max_steps, seed=5),
+        faults=list(faults),
+        show_progress=False,
+    )
+
+
+class OutsideKiller(threading.Thread):
+    """Sends SIGKILL to workers of a running fit() from this process, when the run is where
+    the cell says: it reads the controller's status and the run's journal."""
+
+    def __init__(self, kind, storage, name, pace, seed):
+        super().__init__(daemon=True)
+        self.kind, self.storage, self.name, self.pace = kind, storage, name, pace
+        self.rng = random.Random(seed)
+        self.killed: list[int] = []
+        self.done = threading.Event()
+
+    def run(self):
+        try:
+            if self.kind == "newcomer":
+                grow = self._wait_for(lambda e: e["type"] == "generation_formed" and e["kind"] == "grow")
+                self._kill(grow["members"][-1]["pid"])
+                return
+            self._wait_for_step(12 if self.kind != "all" else 20)
+            members = self._latest_members()
+            if self.kind == "rank1-mid-step":
+                time.sleep(self.rng.uniform(0, max(self.pace.compute_s, 0.01)))
+                self._kill(members[1]["pid"])
+            elif self.kind == "ranks1-2-within-100ms":
+                self._kill(members[1]["pid"])
+                time.sleep(self.rng.uniform(0.0, 0.1))
+                self._kill(members[2]["pid"])
+            elif self.kind == "rank0":
+                self._kill(members[0]["pid"])
+            elif self.kind == "all":
+                for member in members:
+                    self._kill(member["pid"])
+        finally:
+            self.done.set()
+
+    def _kill(self, pid):
+        os.kill(pid, signal.SIGKILL)
+        self.killed.append(pid)
+
+    def _events(self):
+        return read_events(RunStorage(self.storage, self.name))
+
+    def _wait_for(self, match, timeout_s=120):
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            found = [e for e in self._events() if match(e)]
+            if found:
+                return found[-1]
+            time.sleep(0.01)
+        raise TimeoutError(f"the run never reached the moment for {self.kind}")
+
+    def _wait_for_step(self, step):
+        controller = None
+        while controller is None or ray.get(controller.status.remote())["step"] < step:
+            time.sleep(0.02)
+            try:
+                controller = controller or ray.get_actor(f"elastic-controller-{self.name}")
+            except ValueError:
+                continue
+
+    def _latest_members(self):
+        self._wait_for(lambda e: e["type"] == "generation_formed" and e["world_size"] == 3)
+        return [e for e in self._events() if e["type"] == "generation_formed"][-1]["members"]
+
+
+@pytest.fixture(scope="module")
+def references(local_ray, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("matrix-reference")
+    return {pace: _trainer(tmp, f"reference-{i}", pace, (2, 2)).fit() for i, pace in enumerate((FAST, SLOW))}
+
+
+def run_cell(name, cell, pace, reference, tmp_path):
+    run_name = f"cell-{name}"
+    killer = OutsideKiller(cell.kill, str(tmp_path), run_name, pace, seed=len(name)) if cell.kill else None
+    if killer:
+        killer.start()
+    result = _trainer(tmp_path, run_name, pace, (1, 3), cell.faults).fit()
+    if killer:
+        assert killer.done.wait(5) and killer.killed, "the outside kill never happened"
+    assert result.step == pace.max_steps
+    ledger = result.value["ledger"]
+    assert torch.equal(ledger, torch.ones_like(ledger)), f"{name}: a sample was lost or seen twice"
+    for key, value in reference.value["params"].items():
+        difference = (result.value["params"][key] - value).abs().max().item()
+        assert difference < PARAM_TOLERANCE, f"{name}: {key} differs by {difference}"
+    fired = sorted(e["fault"] for e in result.events_of("fault_injected"))
+    assert fired == sorted(f.spec() for f in cell.faults), f"{name}: a fault never fired"
+    failed = result.events_of("worker_failed")
+    assert all(e["kind"] in ("death", "app_error") for e in failed), f"{name}: a live worker was killed: {failed}"
+    restarts = [e for e in result.events_of("recovery") if e["from_checkpoint"]] + result.events_of("controller_restarted")
+    if cell.restart:
+        assert restarts, f"{name}: the documented restart did not happen"
+        resumed = [e for e in result.events_of("generation_formed") if e["kind"] in ("start", "restart")][-1]
+        saved = [e["step"] for e in result.events_of("checkpoint_saved") if e["time"] < resumed["time"]]
+        assert resumed["step"] == max(saved) > 0, f"{name}: the restart did not resume from the checkpoint"
+    else:
+        assert not restarts, f"{name}: a heal became a restart"
+        assert len(failed) == cell.victims, f"{name}: {len(failed)} workers failed, {cell.victims} were killed"
+        assert result.events_of("recovery"), f"{name}: no heal was recorded"
+    return result
+
+
+@pytest.mark.parametrize("name", list(CELLS))
+def test_fast_steps_survive_a_death_at_every_moment(references, tmp_path, name):
+    run_cell(name, CELLS[name], FAST, references[FAST], tmp_path)
+
+
+@pytest.mark.parametrize("name", SLOW_CELLS)
+def test_slow_steps_survive_a_death_at_every_moment(references, tmp_path, name):
+    run_cell(name, CELLS[name], SLOW, references[SLOW], tmp_path)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(600)
+def test_three_second_steps_heal_and_grow_back(local_ray, tmp_path):
+    reference = _trainer(tmp_path, "reference-soak", SOAK, (2, 2)).fit()
+    result = run_cell("mid-step-sigkill", CELLS["mid-step-sigkill"], SOAK, reference, tmp_path)
+    assert [e["world_size"] for e in result.events_of("generation_formed")][-1] == 3, "never grew back"
