@@ -96,11 +96,14 @@ class Controller:
         self.journal.emit("run_started", name=self.spec.run.name, attempt=self.spec.attempt,
                           scaling=self.spec.scaling.model_dump(),
                           data=self.spec.data.model_dump(), faults=[f.spec() for f in self.spec.faults])
-        # resume_from applies to the attempt's first controller only; later, the newest complete checkpoint wins.
-        self.latest_checkpoint = (None if self.restarted else self.spec.resume_from) or await asyncio.to_thread(
+        latest = await asyncio.to_thread(
             latest_complete, self.storage,
             lambda step, reason: self.journal.emit("checkpoint_skipped", step=step, reason=reason),
         )
+        # resume_from applies to the attempt's first controller; a restarted one takes the
+        # newest complete checkpoint this run wrote since, if any.
+        first = None if self.restarted else self.spec.resume_from
+        self.latest_checkpoint = first or latest or self.spec.resume_from
         if self.latest_checkpoint is not None:
             self.journal.emit("run_resumed", step=self.latest_checkpoint.step, checkpoint=self.latest_checkpoint.path)
         self.loop_ref = ray.put(self.spec.train_loop)
@@ -133,7 +136,7 @@ class Controller:
         self.inbox.put_nowait(signals.GroupBroken(worker_id, generation))
 
     async def formed(self, worker_id: int, generation: int, outcome: dict[str, Any]) -> None:
-        timings = {k: outcome[k] for k in ("barrier_s", "connect_s", "sync_s") if k in outcome}
+        timings = {k: outcome[k] for k in ("leave_s", "barrier_s", "connect_s", "sync_s") if k in outcome}
         self.inbox.put_nowait(signals.FormedReport(
             worker_id, generation, outcome["ok"], outcome.get("step", 0), outcome.get("source_rank", 0),
             outcome.get("steps_lost", 0), outcome.get("error", ""), timings))

@@ -1,8 +1,9 @@
 """elastic's ElasticTrainer on the benchmark workload: steady steps, and healing after a kill.
 
 The train loop is the one in elastic/context.py's docstring. It stamps every committed step
-with its generation and world size and returns the stamps; `Result.value` is what the lowest
-surviving worker returned, so a killed rank never has to hand anything back.
+with its generation and world size (and, if asked, every step a peer's death failed) and
+returns the stamps; `Result.value` is what the lowest surviving worker returned, so a killed
+rank never has to hand anything back.
 """
 
 from __future__ import annotations
@@ -119,11 +120,13 @@ def chaos(steps: int, every_steps: int, storage: str) -> dict[str, Any]:
 
 
 def _fit(config: dict[str, Any], steps: int, faults: list[elastic.Fault], storage: str,
-         checkpoint_every: int | None = None, failure: elastic.FailureConfig | None = None) -> elastic.Result:
+         checkpoint_every: int | None = None, failure: elastic.FailureConfig | None = None,
+         spare_workers: int = 0) -> elastic.Result:
     trainer = elastic.ElasticTrainer(
         _train_loop,
         train_loop_config=config,
-        scaling_config=elastic.ScalingConfig(min_workers=1, max_workers=workload.WORLD_SIZE),
+        scaling_config=elastic.ScalingConfig(min_workers=1, max_workers=workload.WORLD_SIZE,
+                                             spare_workers=spare_workers),
         run_config=elastic.RunConfig(
             name=f"bench-{uuid.uuid4().hex[:8]}", storage_path=storage,
             checkpoint_config=elastic.CheckpointConfig(every_steps=checkpoint_every),
@@ -144,16 +147,25 @@ def _train_loop(config: dict[str, Any]) -> list[dict[str, Any]]:
     ctx = elastic.get_context()
     model = ctx.prepare_model(workload.make_model())
     optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=workload.LR))
+    # A sleep per step stands for compute that dwarfs the model's (benchmarks/protocol_run.py);
+    # it comes before the backward, so a rank killed inside the all-reduce finds its peers there.
+    sleep_s = config.get("step_sleep_s", 0.0)
     stamps = []
     for step in ctx.steps(workload.make_dataset()):
         with step:
+            if sleep_s:
+                time.sleep(sleep_s)
             for mb in step.micro_batches():
                 loss = workload.loss_fn(model(mb.data[0]), mb.data[1])
                 mb.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
         if not step.committed:
-            continue  # a peer died mid-step; the context redoes the step in the healed generation
+            # A peer died mid-step; the context redoes the step in the healed generation.
+            if config.get("stamp_failures"):
+                stamps.append({**workload.stamp(step.index, ctx.generation, step.world_size, time.time()),
+                               "failed": True})
+            continue
         # .item() in both variants, so the report call is the only difference between them.
         value = loss.item()
         if config["report"] and step.index >= workload.WARMUP_STEPS:

@@ -23,6 +23,7 @@ moves only then.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -158,6 +159,7 @@ class TrainContext:
         self._launched = 0
         self._entered_sync = 0
         self._arrived = -1  # the newest generation whose barrier this rank reached
+        self._train_thread: int | None = None
         self._waiting_on_checkpoint = False
         self._group: tuple[int, dist.ProcessGroup] | None = None
         self._group_lock = threading.Lock()
@@ -242,6 +244,7 @@ class TrainContext:
     def steps(self, dataset: Any) -> Iterator[Step]:
         """Yield each remaining global step of the run, healing and rescaling in between."""
         self._dataset = dataset
+        self._train_thread = threading.get_ident()
         num_samples = len(dataset)
         if num_samples < self.data_config.global_batch_size:
             raise ElasticError(
@@ -396,8 +399,8 @@ class TrainContext:
         A generation that is aborted before every member arrived, or that fails to connect,
         is given up and the next offer waited for; only a user error escapes.
         """
+        left = time.perf_counter()
         if reason == "heal":
-            # Leave at once: a live peer blocked on this rank fails now instead of at the timeout.
             self._leave()
             self.mailbox.report_broken(self.generation)
         tried = self.generation
@@ -405,7 +408,7 @@ class TrainContext:
             spec = self.mailbox.wait_newer(tried)
             tried = spec.generation
             try:
-                timings = self._form(spec)
+                timings = self._form(spec, left)
             except WorkerEvictedError:
                 raise
             except Exception as exc:
@@ -430,14 +433,17 @@ class TrainContext:
             self._group = None
         leave_group(self.spec.backend if self.spec else "gloo")
 
-    def _form(self, spec: GenerationSpec) -> dict[str, float] | None:
-        """Join `spec`'s generation and sync state; the phases' seconds, or None if it was aborted."""
-        started = time.perf_counter()
+    def _form(self, spec: GenerationSpec, left: float) -> dict[str, float] | None:
+        """Join `spec`'s generation and sync state; the phases' seconds, or None if it was aborted.
+
+        `left` is when this rank stopped training (its step failed, or it reached the switch).
+        """
         self._leave()
         store = self._store.get(spec.store_host, spec.store_port)
         self.spec = spec
         self.faults.at("barrier", spec.rank, self._step_index)
         self._arrived = spec.generation
+        started = time.perf_counter()
         if not rendezvous(spec, store):
             return None
         arrived = time.perf_counter()
@@ -461,7 +467,8 @@ class TrainContext:
         if self._model is not None:
             self._model.ddp = self._wrap(self._model.module)
         done = time.perf_counter()
-        return {"barrier_s": arrived - started, "connect_s": connected - arrived, "sync_s": done - connected}
+        return {"leave_s": started - left, "barrier_s": arrived - started, "connect_s": connected - arrived,
+                "sync_s": done - connected}
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Load a durable checkpoint into this rank; the sync then spreads it to the others."""
@@ -514,7 +521,22 @@ class TrainContext:
     def progress(self) -> dict[str, Any]:
         """Where the train thread is, for the controller's hang check: answered from another thread."""
         return {"step": self._step_index, "entered_sync": self._entered_sync, "launched": self._launched,
-                "arrived": self._arrived, "checkpointing": self._waiting_on_checkpoint}
+                "arrived": self._arrived, "checkpointing": self._waiting_on_checkpoint,
+                "blocked_in": self._collective_in_progress()}
+
+    def _collective_in_progress(self) -> str:
+        """Where the train thread waits inside a torch.distributed call (a fact read from its
+        stack, not a guess from messages), or "" when it does not."""
+        frame = sys._current_frames().get(self._train_thread)
+        called = None
+        while frame is not None:
+            if frame.f_globals.get("__name__", "").startswith("torch.distributed"):
+                called = called or frame.f_code.co_name
+            elif called is not None:
+                code = frame.f_code
+                return f"{called} called from {code.co_name} at {os.path.basename(code.co_filename)}:{frame.f_lineno}"
+            frame = frame.f_back
+        return ""
 
     def _claim(self, fault: Fault) -> bool:
         """Claim `fault` for this rank; True once per run, for the first rank to meet it."""

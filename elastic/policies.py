@@ -107,6 +107,8 @@ def find_hung(progress: dict[int, tuple[int, ...] | None]) -> list[int]:
     rank never enters (or never launches) the sync its peers wait in. When nobody is behind,
     the whole generation is stuck and every member is returned.
     """
+    if not progress:
+        return []
     silent = [w for w, p in progress.items() if p is None]
     if silent:
         return silent

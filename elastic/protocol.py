@@ -154,8 +154,11 @@ class Protocol:
             # Its members join the offered generation anyway, broken or not; only a death
             # (observed on its own) aborts it.
             return []
-        self.broken = True
-        actions = self._abort_formation(now) if isinstance(self.state, Preparing) else []
+        actions = self._break(now)
+        if isinstance(self.state, Failed):
+            return actions
+        if isinstance(self.state, Preparing):
+            actions += self._abort_formation(now)
         return actions + self._reconcile(now)
 
     def _on_prepared(self, obs: SwitchPrepared, now: float) -> list[Action]:
@@ -238,11 +241,14 @@ class Protocol:
                         if w not in acked and (p is None or p.arrived < state.formation.generation)}
         hung = policies.find_hung({w: p and (p.step, p.entered_sync, p.launched) for w, p in suspects.items()})
         others_wait = len(suspects) < len(obs.answers)  # some members wait at the barrier for these
-        if not others_wait and set(hung) == set(suspects) and all(p is not None for p in suspects.values()) \
-                and self.stalled_s < self.failure.hang_ceiling_s:
-            # Everyone answers and nobody is behind (a long evaluation, a slow filesystem):
-            # nothing points at a culprit, so only the ceiling ends the wait.
-            return []
+        if not others_wait and set(hung) == set(suspects) and all(p is not None for p in suspects.values()):
+            blocked = sorted({p.blocked_in for p in suspects.values()})
+            if all(blocked):
+                return self._collective_deadlock(blocked, now)
+            if self.stalled_s < self.failure.hang_ceiling_s:
+                # Everyone answers and nobody is behind (a long evaluation, a slow filesystem):
+                # nothing points at a culprit, so only the ceiling ends the wait.
+                return []
         actions: list[Action] = []
         for worker_id in hung:
             kind = "stuck" if suspects[worker_id] is None else "hang"
@@ -289,6 +295,9 @@ class Protocol:
     def _commit(self, formation: Formation, acked: dict[int, FormedReport], now: float) -> list[Action]:
         old_size, self.running_size = self.running_size, len(formation.members)
         heal = formation.reason in (Reason.HEAL, Reason.RESTART)
+        # The phases that stopped training are those of the members that were training: a
+        # newcomer's or a spare's wait at the barrier stops nobody.
+        holders = [r for w, r in acked.items() if self.workers[w].holds_state] or list(acked.values())
         self.running, self.members, self.broken = formation.generation, formation.members, False
         self.failed_formations, self.progress_at = 0, now
         self.committed_at_step = self.committed_step
@@ -296,13 +305,13 @@ class Protocol:
             self.workers[worker_id].status = Status.MEMBER
             self.workers[worker_id].holds_state = True
         first = acked[formation.members[0]]
-        phases = {k: max(r.timings.get(k, 0.0) for r in acked.values()) for k in ("barrier_s", "connect_s", "sync_s")}
+        phases = {k: max(r.timings.get(k, 0.0) for r in holders) for k in ("leave_s", "barrier_s", "connect_s", "sync_s")}
         actions: list[Action] = [Emit("generation_formed", {
             "generation": formation.generation, "world_size": len(formation.members), "kind": formation.reason.value,
             "reason": formation.detail, "seconds": now - formation.since, "source_rank": first.source_rank,
             "step": first.step, "switch_step": formation.switch_step,
             # The running members' pause: from leaving the old group to training in the new one.
-            "pause_s": max(sum(r.timings.values()) for r in acked.values()), **phases,
+            "pause_s": max(sum(r.timings.values()) for r in holders), **phases,
             "members": [{"worker_id": w, "pid": self.workers[w].pid, "node": self.workers[w].node}
                         for w in formation.members],
         })]
@@ -334,17 +343,9 @@ class Protocol:
         if worker_id in self.members:
             self.members = tuple(w for w in self.members if w != worker_id)
             if not self.broken:
-                self.broken = True
-                self.failure_at = self.failure_at or now
-                if self.committed_step == self.committed_at_step:
-                    self.heals_without_step += 1
-                limit = self.failure.max_heals_without_step
-                if self.heals_without_step > limit:
-                    message = (f"{self.heals_without_step} generations in a row lost a member before committing "
-                               f"a step, more than FailureConfig(max_heals_without_step={limit}): the same step "
-                               "keeps killing workers (a crash loop; in gloo, a collective whose shapes differ "
-                               "across ranks kills the process). Fix the train loop or the failing nodes.")
-                    return actions + self._enter(Failed(message, "crash_loop"), "crash loop")
+                actions += self._break(now)
+                if isinstance(self.state, Failed):
+                    return actions
             if not self.members:
                 self.failures += 1
                 decision = policies.decide_failure("all_lost", self.failures, self.failure.max_failures)
@@ -353,6 +354,37 @@ class Protocol:
                     message = f"every worker was lost (the last: worker {worker_id}); {decision.reason}"
                     return actions + self._enter(Failed(message, "all_lost"), decision.reason)
         return actions + self._top_up() + self._reconcile(now)
+
+    def _collective_deadlock(self, blocked: list[str], now: float) -> list[Action]:
+        """Every member waits in a collective the others never complete: a bug in the train
+        loop (a collective some ranks skip, or call with other shapes), not a fault."""
+        self.failures += 1
+        cause = (f"every rank has waited {self.stalled_s:.1f} s in a collective, past the hang deadline of "
+                 f"{self.deadline_s:.1f} s: {'; '.join(blocked)}. A collective that some ranks skip, or call with "
+                 "different shapes, never completes; call it on every rank with the same shapes")
+        decision = policies.decide_failure("app_error", self.failures, self.failure.max_failures)
+        actions: list[Action] = [self._decision(decision.action, decision.reason)]
+        if decision.action == "RAISE":
+            return actions + self._enter(Failed(cause, "app_error"), decision.reason)
+        for worker_id in self.members:
+            actions += self._evict(worker_id, "app_error", cause)
+        return actions
+
+    def _break(self, now: float) -> list[Action]:
+        """The running generation broke. Generations in a row that break before committing a
+        step are a crash loop (the same step keeps failing), which fails the run past its limit."""
+        self.broken = True
+        self.failure_at = self.failure_at or now
+        if self.committed_step == self.committed_at_step:
+            self.heals_without_step += 1
+        limit = self.failure.max_heals_without_step
+        if self.heals_without_step <= limit:
+            return []
+        message = (f"{self.heals_without_step} generations in a row broke before committing a step, more than "
+                   f"FailureConfig(max_heals_without_step={limit}): the same step keeps failing (a crash loop, or a "
+                   "collective the train loop calls differently on different ranks). Fix the train loop or the "
+                   "failing nodes.")
+        return self._enter(Failed(message, "crash_loop"), "crash loop")
 
     def _abort_formation(self, now: float) -> list[Action]:
         state = self.state

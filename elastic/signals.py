@@ -90,6 +90,7 @@ class WorkerProgress:
     launched: int
     arrived: int  # the newest generation whose barrier it reached
     checkpointing: bool  # waiting for its checkpoint upload
+    blocked_in: str = ""  # the torch.distributed call its train thread waits in, if any
 
 
 @dataclass(frozen=True)

@@ -3,20 +3,21 @@
 import pytest
 import ray
 
-from elastic import CapacityTimeoutError, DataConfig, ElasticTrainer, FailureConfig, RunConfig, ScalingConfig
+from elastic import CapacityTimeoutError, DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
 from elastic.errors import ElasticError, TrainingFailedError
 from workloads import GLOBAL_BATCH, regression_loop
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def _trainer(tmp_path, name, scaling, failure=FailureConfig(), **loop_config):
+def _trainer(tmp_path, name, scaling, failure=FailureConfig(), faults=(), **loop_config):
     return ElasticTrainer(
         regression_loop,
         train_loop_config={"max_steps": 40, **loop_config},
         scaling_config=scaling,
         run_config=RunConfig(name=name, storage_path=str(tmp_path), failure_config=failure),
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=40),
+        faults=list(faults),
         show_progress=False,
     )
 
@@ -81,3 +82,26 @@ def test_an_empty_dataset_fails_the_run_with_a_message_naming_it(local_ray, tmp_
     trainer = _trainer(tmp_path, "empty", ScalingConfig(min_workers=1, max_workers=1), num_samples=0)
     with pytest.raises(TrainingFailedError, match=r"the dataset has 0 samples, fewer than global_batch_size\(64\)"):
         trainer.fit()
+
+
+def test_a_collective_with_mismatched_shapes_fails_the_run_as_a_crash_loop_instead_of_healing_forever(
+        local_ray, tmp_path):
+    # gloo kills a process whose collective sizes differ from its peers': a death each time
+    # the step is retried, which only the bound on heals without a committed step can end.
+    trainer = _trainer(tmp_path, "mismatch", ScalingConfig(min_workers=2, max_workers=2),
+                       FailureConfig(max_heals_without_step=1), mismatch_at=5)
+    with pytest.raises(TrainingFailedError, match=r"max_heals_without_step=1\): the same step keeps failing"):
+        trainer.fit()
+
+
+def test_a_warm_spare_takes_a_dead_members_place_in_the_heal_itself(local_ray, tmp_path):
+    trainer = _trainer(tmp_path, "spare", ScalingConfig(min_workers=1, max_workers=2, spare_workers=1),
+                       faults=[Fault(kind="kill", rank=1, step=10)], sleep_s=0.02)
+    result = trainer.fit()
+    first, heal = result.events_of("generation_formed")[:2]
+    assert first["world_size"] == 2 and heal["kind"] == "heal" and heal["world_size"] == 2, "not back at full size"
+    members_before = {m["worker_id"] for m in first["members"]}
+    [spare] = [m for m in heal["members"] if m["worker_id"] not in members_before]
+    assert spare["worker_id"] in {e["worker_id"] for e in result.events_of("worker_started") if e["time"] < heal["time"]}
+    assert not [e for e in result.events_of("generation_formed") if e["kind"] == "grow"], "it waited for a grow"
+    assert len(result.events_of("worker_started")) == 4, "a new spare replaces the one used"

@@ -439,3 +439,26 @@ def test_a_finishing_run_aborts_a_pending_grow():
     assert group.aborted == [1] and group.state == "FINISHING"
     group.die(1)
     assert group.state == "FINISHED"
+
+
+def test_a_group_that_keeps_breaking_with_every_member_alive_is_a_crash_loop():
+    group = FakeWorkerGroup(max_heals_without_step=2)
+    group.start_run(0, 1, 2)
+    for _ in range(3):
+        group.send(GroupBroken(0, generation=group.protocol.running))
+        if group.state == "FAILED":
+            break
+        group.form()
+    assert group.state == "FAILED" and group.protocol.state.kind == "crash_loop"
+    assert group.killed == [], "nobody died, so nobody is killed"
+
+
+def test_every_member_blocked_in_a_collective_past_the_deadline_is_an_application_error():
+    group = FakeWorkerGroup(max_failures=0)
+    group.start_run(0, 1, 2)
+    group.send(Tick(deadline_s=5.0), after_s=10.0)
+    where = "all_reduce called from train_loop at train.py:42"
+    blocked = WorkerProgress(step=10, entered_sync=10, launched=10, arrived=0, checkpointing=False, blocked_in=where)
+    group.send(ProgressPolled({0: blocked, 1: blocked, 2: blocked}))
+    assert group.state == "FAILED" and group.protocol.state.kind == "app_error"
+    assert where in group.protocol.state.error and group.protocol.failures == 1

@@ -59,6 +59,8 @@ def test_a_run_resumes_by_name_at_another_world_size_with_exactly_once_data(refe
     second = trainer(tmp_path, "resumed", (3, 3)).fit()
     [resumed] = second.events_of("run_resumed")
     assert resumed["step"] == 24
+    # The state was restored, not retrained: the first generation forms at the checkpoint's step.
+    assert second.events_of("generation_formed")[0]["step"] == 24
     assert [e["world_size"] for e in second.events_of("generation_formed")][-1] == 3
     assert_same_training(second, reference)
     # The latest checkpoint loads without Ray and holds the final parameters.
@@ -73,6 +75,8 @@ def test_a_run_restarts_from_storage_and_finishes_when_every_worker_is_killed(re
     assert "RESTART" in [e["action"] for e in result.events_of("decision")]
     [recovery] = [e for e in result.events_of("recovery") if e["from_checkpoint"]]
     assert recovery["steps_lost"] >= 20 - 16
+    [restarted] = [e for e in result.events_of("generation_formed") if e["kind"] == "restart"]
+    assert restarted["step"] == 16, "the restart did not resume from the checkpoint of step 16"
     assert_same_training(result, reference)
 
 
@@ -97,8 +101,11 @@ def test_the_run_finishes_when_the_controller_is_killed(reference, tmp_path):
     ray.kill(controller, no_restart=False)
     fit.join()
     result = outcome["result"]
-    assert len(result.events_of("controller_restarted")) == 1
-    assert result.events_of("run_resumed")[-1]["step"] >= 16
+    [restarted] = result.events_of("controller_restarted")
+    resumed = result.events_of("run_resumed")[-1]
+    assert resumed["step"] >= 16
+    first_after = [e for e in result.events_of("generation_formed") if e["time"] > restarted["time"]][0]
+    assert first_after["step"] == resumed["step"], "the restarted controller's workers did not restore the checkpoint"
     assert_same_training(result, reference)
 
 

@@ -43,6 +43,7 @@ def test_checkpoints_and_events_live_on_s3_and_a_second_run_resumes_from_them(lo
     assert first.checkpoint.step == 16
     second = _trainer(endpoint, 32, 1).fit()
     assert second.events_of("run_resumed")[-1]["step"] == 16
+    assert second.events_of("generation_formed")[0]["step"] == 16, "the second run retrained instead of resuming"
     assert second.step == 32
     run = RunStorage("elastic-runs/team", "on-s3", s3)
     events = read_events(run)

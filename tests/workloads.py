@@ -73,6 +73,8 @@ def regression_loop(config: dict) -> dict:
                     raise AssertionError(f"ranks differ after generation {ctx.generation} formed: {digests}")
                 checked.append(ctx.generation)
             time.sleep(config.get("compute_s", 0.0))  # a slow step's compute, inside the step
+            if step.index == config.get("mismatch_at"):
+                dist.all_reduce(torch.ones(1 + ctx.rank))  # a user bug: shapes differ across ranks
             counts = torch.zeros(NUM_SAMPLES, dtype=torch.float64)
             for mb in step.micro_batches():
                 x, y = mb.data

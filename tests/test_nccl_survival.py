@@ -1,0 +1,45 @@
+"""What keeps an NCCL survivor alive, checked where it can be without GPUs.
+
+The watchdog mode must never tear the process down, and the control thread's abort of a
+stale communicator must hit only the generation it was meant for, never its replacement.
+The GPU paths themselves run in tests/test_generations.py where CUDA exists, and in
+`benchmarks/gpu_check.sh` on a GPU machine.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from elastic import context as context_module
+from elastic.config import DataConfig
+from elastic.context import TrainContext
+from elastic.group import NCCL_ERROR_HANDLING, NCCL_SURVIVOR_MODE
+from elastic.mailbox import GenerationMailbox
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("inherited", ["1", "3", ""])
+def test_the_nccl_watchdog_never_tears_a_survivor_down(inherited):
+    env = {**os.environ, NCCL_ERROR_HANDLING: inherited}
+    code = f"import elastic.group, os; print(os.environ[{NCCL_ERROR_HANDLING!r}])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == NCCL_SURVIVOR_MODE == "2"
+
+
+def test_a_stale_abort_hits_the_captured_group_and_never_the_one_that_replaced_it(monkeypatch):
+    aborted = []
+    monkeypatch.setattr(context_module, "abort_communicator", aborted.append)
+    ctx = TrainContext(DataConfig(global_batch_size=4, micro_batch_size=2, max_steps=1), GenerationMailbox(), [],
+                       lambda report: None, use_gpu=False)
+    old, new = object(), object()
+    ctx._group = (3, old)
+    ctx.abort_stale_group(3)
+    assert aborted == [], "the current generation was aborted by an offer of itself"
+    ctx.abort_stale_group(4)
+    assert aborted == [old]
+    ctx._group = (4, new)  # the train thread formed generation 4 meanwhile
+    ctx.abort_stale_group(4)
+    assert aborted == [old], "the replacement group was aborted"
