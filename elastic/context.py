@@ -466,6 +466,8 @@ class TrainContext:
         self._cursor = data_math.DataCursor(**progress["cursor"])
         if self._model is not None:
             self._model.ddp = self._wrap(self._model.module)
+        # The hang check compares these across the members of one generation: count afresh.
+        self._entered_sync = self._launched = 0
         done = time.perf_counter()
         return {"leave_s": started - left, "barrier_s": arrived - started, "connect_s": connected - arrived,
                 "sync_s": done - connected}

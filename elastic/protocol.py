@@ -240,8 +240,11 @@ class Protocol:
             suspects = {w: p for w, p in suspects.items()
                         if w not in acked and (p is None or p.arrived < state.formation.generation)}
         hung = policies.find_hung({w: p and (p.step, p.entered_sync, p.launched) for w, p in suspects.items()})
-        others_wait = len(suspects) < len(obs.answers)  # some members wait at the barrier for these
-        if not others_wait and set(hung) == set(suspects) and all(p is not None for p in suspects.values()):
+        # In a formation, the members that never came are the culprits even when alike: a
+        # formation takes milliseconds once everyone is there. In a running generation, alike
+        # members that all answer may just be in a long evaluation.
+        forming = isinstance(state, Forming)
+        if not forming and set(hung) == set(suspects) and all(p is not None for p in suspects.values()):
             blocked = sorted({p.blocked_in for p in suspects.values()})
             if all(blocked):
                 return self._collective_deadlock(blocked, now)

@@ -84,13 +84,13 @@ def test_an_empty_dataset_fails_the_run_with_a_message_naming_it(local_ray, tmp_
         trainer.fit()
 
 
-def test_a_collective_with_mismatched_shapes_fails_the_run_as_a_crash_loop_instead_of_healing_forever(
-        local_ray, tmp_path):
-    # gloo kills a process whose collective sizes differ from its peers': a death each time
-    # the step is retried, which only the bound on heals without a committed step can end.
+def test_a_collective_with_mismatched_shapes_fails_the_run_as_an_application_error(local_ray, tmp_path):
+    # gloo never completes an all-reduce whose sizes differ across ranks (here 1 and 2
+    # floats): every rank waits in it, which the hang check reads from their stacks.
     trainer = _trainer(tmp_path, "mismatch", ScalingConfig(min_workers=2, max_workers=2),
-                       FailureConfig(max_heals_without_step=1), mismatch_at=5)
-    with pytest.raises(TrainingFailedError, match=r"max_heals_without_step=1\): the same step keeps failing"):
+                       FailureConfig(hang_floor_s=2.0), mismatch_at=5)
+    with pytest.raises(TrainingFailedError, match=r"every rank has waited .* in a collective.*all_reduce called from "
+                       r"regression_loop at workloads.py"):
         trainer.fit()
 
 
@@ -104,4 +104,3 @@ def test_a_warm_spare_takes_a_dead_members_place_in_the_heal_itself(local_ray, t
     [spare] = [m for m in heal["members"] if m["worker_id"] not in members_before]
     assert spare["worker_id"] in {e["worker_id"] for e in result.events_of("worker_started") if e["time"] < heal["time"]}
     assert not [e for e in result.events_of("generation_formed") if e["kind"] == "grow"], "it waited for a grow"
-    assert len(result.events_of("worker_started")) == 4, "a new spare replaces the one used"
