@@ -157,7 +157,7 @@ class Controller:
 
     async def shard_written(self, report: dict[str, Any]) -> None:
         """A rank finished (or failed) writing its shard; the last one completes the checkpoint."""
-        self.protocol.progress_at = time.time()  # an upload finishing is progress for the hang check
+        self.inbox.put_nowait(signals.ShardWritten(report["rank"], report["step"]))
         if "error" in report:
             self.journal.emit("checkpoint_skipped", step=report["step"],
                               reason=f"rank {report['rank']} could not write: {report['error']}")

@@ -26,10 +26,9 @@ worker and then grows back to 2 when the replacement that the controller request
   (the offer's and the members' reports' trips).
 - grow pause: the survivor's pause when the replacement joins, from rank 0's step stamps: the
   gap before the switch step's completion less the median gap of the grown generation's later
-  steps. Beside it, `pause_s` of the grow's `generation_formed` event, the most over all
-  members of barrier + connect + sync; it includes the newcomer's wait at the barrier for the
-  members to reach the switch step (about two steps), so at 1 s steps it is seconds, not the
-  survivors' pause.
+  steps. Beside it, `pause_s` of the grow's `generation_formed` event: the most over the
+  running members (not the newcomer, whose wait at the barrier stops nobody) of leave +
+  barrier + connect + sync.
 - back to full size without a spare: from the death to the commit of the grow back to
   max_workers, split into the replacement's start (death to its `worker_started`) and the
   grow itself.
@@ -127,6 +126,7 @@ def _recovery(result: elastic.Result, death: float) -> dict[str, Any]:
         **parts,
         "other_s": total - sum(parts.values()),
         "controller_s": event["seconds"],
+        "leave_s": event.get("leave_s"),  # the survivor's own leaving, alongside detect and decide
         "barrier_s": event["barrier_s"],
         "connect_s": event["connect_s"],
         "steps_lost": event["steps_lost"],

@@ -29,7 +29,7 @@ from elastic.config import FailureConfig, ScalingConfig
 from elastic.mailbox import PREPARE_SLACK_STEPS
 from elastic.signals import (
     Abort, Action, Emit, Exit, FormedReport, GroupBroken, Kill, Observation, Offer, PollProgress, Prepare,
-    ProgressPolled, StartWorkers, SwitchPrepared, Tick, WorkerExited, WorkerReady,
+    ProgressPolled, ShardWritten, StartWorkers, SwitchPrepared, Tick, WorkerExited, WorkerReady,
 )
 from elastic.states import (
     TERMINAL, ControllerState, Failed, Finished, Finishing, Formation, Forming, Preparing, Reason, Running, Waiting,
@@ -96,7 +96,7 @@ class Protocol:
         handler = {
             WorkerReady: self._on_ready, WorkerExited: self._on_exited, GroupBroken: self._on_broken,
             SwitchPrepared: self._on_prepared, FormedReport: self._on_formed, Tick: self._on_tick,
-            ProgressPolled: self._on_polled,
+            ProgressPolled: self._on_polled, ShardWritten: self._on_shard_written,
         }[type(observation)]
         return handler(observation, now)
 
@@ -226,6 +226,10 @@ class Protocol:
         self.stalled_s, self.deadline_s = stalled, obs.deadline_s
         watched = state.formation.members if isinstance(state, Forming) else self.members
         return [PollProgress(tuple(w for w in watched if self.workers[w].status != Status.GONE))]
+
+    def _on_shard_written(self, obs: ShardWritten, now: float) -> list[Action]:
+        self.progress_at = now  # a slow upload holds the run up; it is not a hang
+        return []
 
     def _on_polled(self, obs: ProgressPolled, now: float) -> list[Action]:
         self.polling = False

@@ -84,6 +84,14 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class ShardWritten:
+    """A rank finished uploading a checkpoint shard: progress, though no step committed."""
+
+    worker_id: int
+    step: int
+
+
+@dataclass(frozen=True)
 class WorkerProgress:
     step: int
     entered_sync: int
@@ -100,7 +108,8 @@ class ProgressPolled:
     answers: dict[int, WorkerProgress | None]
 
 
-Observation = WorkerReady | WorkerExited | GroupBroken | SwitchPrepared | FormedReport | Tick | ProgressPolled
+Observation = (WorkerReady | WorkerExited | GroupBroken | SwitchPrepared | FormedReport | Tick | ProgressPolled
+               | ShardWritten)
 
 # --- actions ----------------------------------------------------------------------------
 

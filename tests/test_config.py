@@ -205,6 +205,25 @@ def test_every_fault_kind_parses_and_kind_specific_options_are_checked():
         parse_fault("kill:rank=1,step=5,factor=2")
 
 
+def test_a_fault_moment_that_does_not_apply_to_its_kind_is_rejected_naming_the_ones_that_do():
+    assert parse_fault("kill:rank=1,step=5,where=barrier").at_or_after
+    assert parse_fault("controller-kill:step=5,where=formation").where == "formation"
+    with pytest.raises(ValueError, match="where=barrier does not apply to hang faults; use one of step_start"):
+        parse_fault("hang:rank=1,step=5,where=barrier")
+    with pytest.raises(ValueError, match="where=formation does not apply to kill faults; use one of step_start, "
+                       "allreduce, barrier, prepare"):
+        parse_fault("kill:rank=1,step=5,where=formation")
+
+
+def test_negative_spares_and_crash_loop_limits_are_rejected():
+    from elastic import FailureConfig, ScalingConfig
+
+    with pytest.raises(ValidationError, match="spare_workers"):
+        ScalingConfig(min_workers=1, max_workers=2, spare_workers=-1)
+    with pytest.raises(ValidationError, match="max_heals_without_step"):
+        FailureConfig(max_heals_without_step=-1)
+
+
 def test_a_hang_floor_above_its_ceiling_is_rejected():
     from elastic import FailureConfig
 

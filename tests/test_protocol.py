@@ -11,8 +11,8 @@ from elastic.config import FailureConfig, ScalingConfig
 from elastic.mailbox import PREPARE_SLACK_STEPS
 from elastic.protocol import MAX_FAILED_FORMATIONS, START_GRACE_S, Protocol, Status
 from elastic.signals import (
-    Abort, Emit, Exit, FormedReport, GroupBroken, Kill, Offer, PollProgress, Prepare, ProgressPolled, StartWorkers,
-    SwitchPrepared, Tick, WorkerExited, WorkerProgress, WorkerReady,
+    Abort, Emit, Exit, FormedReport, GroupBroken, Kill, Offer, PollProgress, Prepare, ProgressPolled, ShardWritten,
+    StartWorkers, SwitchPrepared, Tick, WorkerExited, WorkerProgress, WorkerReady,
 )
 from elastic.states import Reason
 
@@ -462,3 +462,11 @@ def test_every_member_blocked_in_a_collective_past_the_deadline_is_an_applicatio
     group.send(ProgressPolled({0: blocked, 1: blocked, 2: blocked}))
     assert group.state == "FAILED" and group.protocol.state.kind == "app_error"
     assert where in group.protocol.state.error and group.protocol.failures == 1
+
+
+def test_a_shard_upload_finishing_counts_as_progress_for_the_hang_check():
+    group = FakeWorkerGroup()
+    group.start_run(0, 1, 2)
+    group.send(ShardWritten(0, step=16), after_s=9.0)
+    assert group.send(Tick(deadline_s=5.0), after_s=1.0) == []
+    assert group.send(Tick(deadline_s=5.0), after_s=5.0) != [], "the stall clock never started again"
