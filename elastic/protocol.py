@@ -21,6 +21,7 @@ Invariants (docs/architecture.md explains them):
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -174,7 +175,7 @@ class Protocol:
             # Too close to the end to be worth a switch; the newcomers stay idle.
             return [Abort(state.formation.generation, self.members),
                     *self._enter(Running(self.running), f"no grow: step {switch} is past max_steps")]
-        formation = Formation(**{**state.formation.__dict__, "switch_step": switch, "decided_at": now})
+        formation = dataclasses.replace(state.formation, switch_step=switch, decided_at=now)
         return [Offer(formation), *self._enter(Forming(formation), f"{formation.detail}, switching at step {switch}")]
 
     def _on_formed(self, obs: FormedReport, now: float) -> list[Action]:
@@ -333,7 +334,7 @@ class Protocol:
                 "steps_lost": max(rolled_back, *(r.steps_lost for r in acked.values())),
                 "world_size": len(formation.members), "from_checkpoint": formation.reason == Reason.RESTART,
             }))
-            self.failure_at = None
+        self.failure_at = None  # a grow that commits after a break took the broken members in too
         return actions + self._enter(Running(formation.generation), formation.detail) + self._reconcile(now)
 
     def _lose(self, worker_id: int, now: float) -> list[Action]:
