@@ -187,6 +187,8 @@ def run_cell(name, cell, pace, reference, tmp_path):
         assert difference < PARAM_TOLERANCE, f"{name}: {key} differs by {difference}"
     fired = sorted(e["fault"] for e in result.events_of("fault_injected"))
     assert fired == sorted(f.spec() for f in cell.faults), f"{name}: a fault never fired"
+    generations = [e["generation"] for e in result.events_of("generation_formed")]
+    assert generations == sorted(set(generations)), f"{name}: a generation number was reused: {generations}"
     failed = result.events_of("worker_failed")
     assert all(e["kind"] in ("death", "app_error") for e in failed), f"{name}: a live worker was killed: {failed}"
     restarts = [e for e in result.events_of("recovery") if e["from_checkpoint"]] + result.events_of("controller_restarted")
