@@ -1,7 +1,7 @@
 """Plain torch DDP, Ray Train and elastic side by side on one fixed workload, in one command.
 
-    .venv/bin/python -m benchmarks.bench                   # full run, about 12 minutes
-    .venv/bin/python -m benchmarks.bench --quick           # fewer steps, one round, about 4 minutes
+    .venv/bin/python -m benchmarks.bench                   # full run, 3 rounds, about 15 minutes
+    .venv/bin/python -m benchmarks.bench --quick           # fewer steps, one round, about 5 minutes
     .venv/bin/python -m benchmarks.bench --only protocol   # the healing protocol's figures alone, about 5 minutes
     .venv/bin/python -m benchmarks.bench --out /tmp/bench.json
 
@@ -10,28 +10,39 @@ Run it from the repository root. The workload (benchmarks/workload.py) is an MLP
 one torch thread per worker process. Measured:
 
 - median step time without reporting, for all three systems, and with a metrics report every
-  step for Ray Train (`ray.train.report`) and elastic (`elastic.report`);
+  step for Ray Train (`ray.train.report`) and elastic (`elastic.report`). Plain DDP runs twice:
+  bare, and beside an idle Ray instance started exactly as the Ray systems start theirs. On a
+  machine with few cores Ray's own daemons take CPU from whatever runs beside them, so the
+  elastic and Ray Train ratios against DDP-with-Ray compare like with like; the bare ratios
+  stay for reference;
 - recovery: rank 1 dies at the start of a step; the time from its death to the next completed
   step, and how many steps were lost;
 - the healing protocol (benchmarks/protocol_run.py): rank 1 dies mid all-reduce at 15 ms and at
   1 s steps; the recovery from death to the healed generation's commit with its breakdown, the
   survivor's pause when the replacement joins, and the time back to max_workers with and
-  without a warm spare, each as min, median and max over the rounds.
+  without a warm spare.
 
 Each system runs in its own subprocess (and Ray session) per round, so a hang or a crash in
-one cannot skew the next. The systems take turns for `--rounds` rounds and each figure is
-the median of its round medians, so a burst of load on the machine hits every system alike.
-The recovery runs, and Ray Train's reporting run (each of its steps lasts one poll of its
-controller, ~2 s, so a repeat costs minutes and tells nothing new), happen in the first round;
-the protocol runs happen in every round. The JSON lands in benchmarks/results/bench.json
-unless --out says otherwise; a short table is printed. `--only protocol` merges its keys into
-the JSON already at --out and keeps the others; `produced_by` records which command wrote
-which keys, and when.
+one cannot skew the next. The systems take turns for `--rounds` rounds, so a burst of load on
+the machine hits every system alike, and a ratio between two systems is taken within each
+round. Every figure is reported as the median over its rounds at the top level of the JSON
+and as `spread[<key>] = {min, median, max, rounds, disagree}` beside it (a dotted key such as
+`median_step_s.elastic` names a nested figure); `disagree` is set, and the printed table
+flags the figure, when (max - min) / median exceeds DISAGREE_FRACTION. Three runs happen in
+the first round only, so their figures have one round: Ray Train's reporting run (each of its
+steps lasts one poll of its controller, ~2 s, so a repeat costs minutes and tells nothing
+new), elastic's checkpoint run and its chaos run (70 s). The JSON lands in
+benchmarks/results/bench.json unless --out says otherwise; a short table is printed.
+`--only protocol` merges its keys into the JSON already at --out and keeps the others;
+`produced_by` records which command wrote which keys, and when. Another script merges its own
+figures the same way with `merge_figures` (benchmarks/checkpoint_run.py does), and a full run
+keeps what other scripts merged.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import json
@@ -59,11 +70,13 @@ from benchmarks import elastic_run, protocol_run, ray_train, torch_ddp, workload
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results", "bench.json")
-SYSTEMS = ("torch_ddp", "ray_train", "elastic")
+SYSTEMS = ("torch_ddp", "torch_ddp_with_ray", "ray_train", "elastic")
 # The healing protocol's runs, each in a subprocess of its own (benchmarks/protocol_run.py).
 PROTOCOL_SYSTEMS = ("protocol_fast", "protocol_slow", "protocol_spare")
 ONLY = {"protocol": PROTOCOL_SYSTEMS}
-STEADY_RUNS = ("torch_ddp", "ray_train", "ray_train_report", "elastic", "elastic_report")
+STEADY_RUNS = ("torch_ddp", "torch_ddp_with_ray", "ray_train", "ray_train_report", "elastic", "elastic_report")
+# A figure whose rounds spread wider than this fraction of their median is flagged: (max - min) / median.
+DISAGREE_FRACTION = 0.1
 LOG_TAIL_LINES = 40
 
 
@@ -131,11 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = tempfile.mkdtemp(prefix="bench-logs-")
     started = time.time()
     errors: dict[str, str] = {}
-    protocol_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PROTOCOL_SYSTEMS}
-    rounds: dict[str, list[float]] = {name: [] for name in STEADY_RUNS}
-    counts: dict[str, list[int]] = {name: [] for name in STEADY_RUNS}
-    recoveries: dict[str, dict[str, Any]] = {}
-    extras: dict[str, dict[str, Any]] = {}
+    # Each system's outcome in each round, None where the round's subprocess failed.
+    outcomes: dict[str, list[dict[str, Any] | None]] = {system: [] for system in systems}
     walls: dict[str, dict[str, float]] = {}
     for round_index in range(plan.rounds):
         for system in systems:
@@ -144,42 +154,31 @@ def main(argv: list[str] | None = None) -> int:
             outcome = _measure_in_subprocess(label, system, params, plan.timeout_s, log_dir)
             if "error" in outcome:
                 errors[label] = outcome["error"]
+                outcomes[system].append(None)
                 continue
-            for run in ("steady", "report"):
-                if run not in outcome:
-                    continue
-                name = system if run == "steady" else f"{system}_report"
-                gaps = workload.steady_gaps(outcome[run])
-                if not gaps:
-                    errors[f"{label}-{run}"] = (f"no steady steps among {len(outcome[run])} at world size "
-                                                f"{workload.WORLD_SIZE} past the warm-up; run more steps")
-                    continue
-                rounds[name].append(statistics.median(gaps))
-                counts[name].append(len(gaps))
-            if "recovery" in outcome:
-                recoveries[system] = outcome["recovery"]
-            if "protocol" in outcome:
-                protocol_runs[system].append(outcome["protocol"])
-            for extra in ("checkpoint", "hang", "chaos"):
-                if extra in outcome:
-                    extras[extra] = outcome[extra]
-            if "wall_s" in outcome:
-                walls[label] = outcome["wall_s"]
+            walls[label] = outcome.pop("wall_s")
+            outcomes[system].append(outcome)
+    protocol_runs = {name: [o["protocol"] for o in outcomes.get(name, []) if o] for name in PROTOCOL_SYSTEMS}
     protocol_errors = {label: why for label, why in errors.items() if label.startswith(PROTOCOL_SYSTEMS)}
     protocol_walls = {label: wall for label, wall in walls.items() if label.startswith(PROTOCOL_SYSTEMS)}
-    protocol = _summarise_protocol(args, plan, protocol_runs, protocol_errors, protocol_walls)
-    provenance = _provenance(time.time() - started)
+    protocol_figures, protocol = _summarise_protocol(args, plan, protocol_runs, protocol_errors, protocol_walls)
     if args.only:
-        report = _merge(_read_report(args.out), protocol, provenance)
+        report = merge_figures(args.out, protocol_figures, protocol, PROTOCOL_DEFINITIONS,
+                               _command(), time.time() - started)
     else:
-        report = _summarise(args, plan, rounds, counts, recoveries, extras, errors, walls, time.time() - started)
-        report.update(protocol)
-        report["definitions"].update(PROTOCOL_DEFINITIONS)
-        report["produced_by"] = [{**provenance, "keys": sorted(report)}]
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
+        step_times, steady_steps, step_errors = _step_times(outcomes)
+        errors.update(step_errors)
+        figures, details = _summarise(args, plan, outcomes, step_times, steady_steps, errors, walls,
+                                      time.time() - started)
+        report = _add_figures({**details, **protocol}, {**figures, **protocol_figures})
+        report["definitions"] = {**DEFINITIONS, **PROTOCOL_DEFINITIONS}
+        report["produced_by"] = [{**_provenance(_command(), time.time() - started), "keys": sorted(report)}]
+        try:
+            existing = _read_report(args.out)
+        except (OSError, ValueError) as exc:
+            print(f"[bench] replacing {args.out} whole: it could not be read ({exc})", file=sys.stderr)
+            existing = {}
+        _write_report(args.out, _keep_merged_by_others(existing, report))
     _print_table(report)
     print(f"\nwrote {args.out}")
     if errors:
@@ -191,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps and one round; about 4 minutes, under 2 with --only protocol")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer steps and one round; about 5 minutes, under 2 with --only protocol")
     parser.add_argument("--out", default=DEFAULT_OUT, help="where to write the JSON (default: %(default)s)")
     parser.add_argument("--steps", type=int, help="steps of each steady run (overrides the preset)")
     parser.add_argument("--rounds", type=int, help="round-robin rounds of the steady and protocol runs "
@@ -264,7 +264,9 @@ def _kill_session(session_id: int) -> None:
 def _measure_in_this_process(system: str, params: dict[str, Any], result_path: str) -> None:
     torch.set_num_threads(1)
     if system == "torch_ddp":
+        began = time.time()
         result = {"steady": torch_ddp.steady(params["steps"])}
+        result["wall_s"] = {"steady": time.time() - began}
     else:
         result = _measure_on_ray(system, params)
     with open(result_path, "w") as f:
@@ -273,14 +275,17 @@ def _measure_in_this_process(system: str, params: dict[str, Any], result_path: s
 
 def _measure_on_ray(system: str, params: dict[str, Any]) -> dict[str, Any]:
     """One system's runs of one round, in one Ray session; some only in the first round."""
-    if system == "ray_train":
+    if system == "torch_ddp_with_ray":
+        runs = {"settle": _settle_ray, "steady": lambda: torch_ddp.steady(params["steps"])}
+        once = ()
+    elif system == "ray_train":
         runs = {
             "steady": lambda: ray_train.steady(params["steps"], report=False, storage=storage),
             "report": lambda: ray_train.steady(params["ray_report_steps"], report=True, storage=storage),
             "recovery": lambda: ray_train.recovery(params["recovery_steps"], params["kill_step"],
                                                    params["ray_checkpoint_every"], storage),
         }
-        once = ("report", "recovery")
+        once = ("report",)
     elif system == "elastic":
         runs = {
             "steady": lambda: elastic_run.steady(params["steps"], report=False, storage=storage),
@@ -290,7 +295,7 @@ def _measure_on_ray(system: str, params: dict[str, Any]) -> dict[str, Any]:
             "hang": lambda: elastic_run.hang(params["recovery_steps"], params["kill_step"], storage),
             "chaos": lambda: elastic_run.chaos(params["chaos_steps"], params["chaos_every_steps"], storage),
         }
-        once = ("recovery", "checkpoint", "hang", "chaos")
+        once = ("checkpoint", "chaos")
     elif system == "protocol_fast":
         runs = {"protocol": lambda: protocol_run.heal_and_grow(
             params["protocol_fast_steps"], params["protocol_fast_kill_step"], 0.0, storage)}
@@ -318,7 +323,9 @@ def _measure_on_ray(system: str, params: dict[str, Any]) -> dict[str, Any]:
     try:
         for name, run in runs.items():
             began = time.time()
-            result[name] = run()
+            outcome = run()
+            if outcome is not None:
+                result[name] = outcome
             result["wall_s"][name] = time.time() - began
         return result
     finally:
@@ -326,46 +333,82 @@ def _measure_on_ray(system: str, params: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(storage, ignore_errors=True)
 
 
-def _summarise(args: argparse.Namespace, plan: Plan, rounds: dict[str, list[float]], counts: dict[str, list[int]],
-               recoveries: dict[str, dict[str, Any]], extras: dict[str, dict[str, Any]], errors: dict[str, str],
-               walls: dict[str, dict[str, float]], wall_s: float) -> dict[str, Any]:
-    median = {name: statistics.median(values) if values else None for name, values in rounds.items()}
-    elastic_recovery = recoveries.get("elastic", {})
-    ray_recovery = recoveries.get("ray_train", {})
-    return {
-        "steady_step_ratio_vs_torch": _ratio(median["elastic"], median["torch_ddp"]),
-        "report_every_step_ratio": _ratio(median["elastic_report"], median["elastic"]),
-        "steps_lost": elastic_recovery.get("steps_lost"),
-        "ray_train_steady_step_ratio_vs_torch": _ratio(median["ray_train"], median["torch_ddp"]),
-        "ray_train_report_every_step_ratio": _ratio(median["ray_train_report"], median["ray_train"]),
-        "ray_train_recovery_s": ray_recovery.get("recovery_s"),
-        "ray_train_steps_lost": ray_recovery.get("steps_lost"),
-        "checkpoint_stall_s": extras.get("checkpoint", {}).get("stall_s"),
-        "checkpoint_stall_ratio_vs_plain_copy": extras.get("checkpoint", {}).get("stall_ratio_vs_plain_copy"),
-        "checkpoint_write_mb_s": extras.get("checkpoint", {}).get("write_mb_s"),
-        "checkpoint_write_ratio_vs_plain_pyarrow": extras.get("checkpoint", {}).get("write_ratio_vs_plain_pyarrow"),
-        "hang_detect_s": extras.get("hang", {}).get("hang_detect_s"),
-        "hang_detect_in_steps": extras.get("hang", {}).get("detect_in_steps"),
-        "goodput_chaos": extras.get("chaos", {}).get("goodput"),
-        "checkpoint": extras.get("checkpoint"),
-        "hang": extras.get("hang"),
-        "chaos": extras.get("chaos"),
-        "median_step_s": median,
-        "round_median_step_s": rounds,
-        "round_steady_steps": counts,
-        "recovery": {"elastic": elastic_recovery, "ray_train": ray_recovery},
-        "definitions": {
-            "median_step_s": f"median gap between rank 0's consecutive step completions at world size "
-                             f"{workload.WORLD_SIZE}, after {workload.WARMUP_STEPS} warm-up steps; median over rounds",
-            "recovery.<system>.recovery_s, ray_train_recovery_s": "rank 1 killed at the start of a step: from the "
-                "completion of the step before the kill to the first step completed after the heal (elastic) or "
-                "restart (Ray Train), on rank 0",
-            "steps_lost": "elastic: steps_lost of the controller's recovery event (the step in flight when the peer "
-                          "died counts); Ray Train: completed steps rolled back to the last checkpoint",
-            "ray_train_report_every_step_ratio": "a Ray Train worker hands its reports to the controller through a "
-                                                 "queue of one, emptied once per poll of the workers, so reporting "
-                                                 "every step paces the steps to the poll interval",
-        },
+@ray.remote(num_cpus=1)
+def _noop() -> None:
+    return None
+
+
+def _settle_ray() -> None:
+    """Wait until the Ray instance is idle: one task per logical CPU returns once a worker process is up.
+
+    ray.init returns while the worker processes Ray starts ahead of demand are still starting;
+    training at once would share the cores with that burst. The Ray systems train only once
+    their actors are up, so this waits likewise; afterwards only the daemons and idle workers
+    remain.
+    """
+    ray.get([_noop.remote() for _ in range(int(ray.cluster_resources().get("CPU", 1)))])
+
+
+def _step_times(outcomes: dict[str, list[dict[str, Any] | None]]
+                ) -> tuple[dict[str, list[float | None]], dict[str, list[int | None]], dict[str, str]]:
+    """Each steady run's median step time and count of steady steps in each round (None where it did not run),
+    and the runs that had no steady steps."""
+    times: dict[str, list[float | None]] = {name: [] for name in STEADY_RUNS}
+    counts: dict[str, list[int | None]] = {name: [] for name in STEADY_RUNS}
+    errors: dict[str, str] = {}
+    for system in SYSTEMS:
+        for run, name in (("steady", system), ("report", f"{system}_report")):
+            if name not in STEADY_RUNS:
+                continue
+            for round_index, outcome in enumerate(outcomes[system]):
+                stamps = outcome.get(run) if outcome else None
+                gaps = workload.steady_gaps(stamps) if stamps is not None else None
+                if stamps is not None and not gaps:
+                    errors[f"{system}-round{round_index}-{run}"] = (
+                        f"no steady steps among {len(stamps)} at world size {workload.WORLD_SIZE} past the warm-up; "
+                        f"run more steps")
+                times[name].append(statistics.median(gaps) if gaps else None)
+                counts[name].append(len(gaps) if gaps is not None else None)
+    return times, counts, errors
+
+
+def _summarise(args: argparse.Namespace, plan: Plan, outcomes: dict[str, list[dict[str, Any] | None]],
+               step_times: dict[str, list[float | None]], steady_steps: dict[str, list[int | None]],
+               errors: dict[str, str],
+               walls: dict[str, dict[str, float]], wall_s: float) -> tuple[dict[str, list[float | None]],
+                                                                           dict[str, Any]]:
+    """The systems' figures, each as its values over the rounds, and the details beside them."""
+    elastic, ray_runs = outcomes["elastic"], outcomes["ray_train"]
+    figures = {
+        "steady_step_ratio_vs_torch_with_ray": _ratios(step_times["elastic"], step_times["torch_ddp_with_ray"]),
+        "steady_step_ratio_vs_torch": _ratios(step_times["elastic"], step_times["torch_ddp"]),
+        "ray_train_steady_step_ratio_vs_torch_with_ray": _ratios(step_times["ray_train"],
+                                                                 step_times["torch_ddp_with_ray"]),
+        "ray_train_steady_step_ratio_vs_torch": _ratios(step_times["ray_train"], step_times["torch_ddp"]),
+        "idle_ray_step_ratio": _ratios(step_times["torch_ddp_with_ray"], step_times["torch_ddp"]),
+        "report_every_step_ratio": _ratios(step_times["elastic_report"], step_times["elastic"]),
+        "ray_train_report_every_step_ratio": _ratios(step_times["ray_train_report"], step_times["ray_train"]),
+        "elastic_recovery_s": _field(elastic, "recovery", "recovery_s"),
+        "steps_lost": _field(elastic, "recovery", "steps_lost"),
+        "ray_train_recovery_s": _field(ray_runs, "recovery", "recovery_s"),
+        "ray_train_steps_lost": _field(ray_runs, "recovery", "steps_lost"),
+        "checkpoint_stall_s": _field(elastic, "checkpoint", "stall_s"),
+        "checkpoint_stall_ratio_vs_plain_copy": _field(elastic, "checkpoint", "stall_ratio_vs_plain_copy"),
+        "checkpoint_write_mb_s": _field(elastic, "checkpoint", "write_mb_s"),
+        "checkpoint_write_ratio_vs_plain_pyarrow": _field(elastic, "checkpoint", "write_ratio_vs_plain_pyarrow"),
+        "hang_detect_s": _field(elastic, "hang", "hang_detect_s"),
+        "hang_detect_in_steps": _field(elastic, "hang", "detect_in_steps"),
+        "goodput_chaos": _field(elastic, "chaos", "goodput"),
+        **{f"median_step_s.{name}": values for name, values in step_times.items()},
+    }
+    details = {
+        # Each run's own figures in each round; null where the round did not run it or its subprocess failed.
+        "recovery": {"elastic": _runs(elastic, "recovery"), "ray_train": _runs(ray_runs, "recovery")},
+        "checkpoint": _runs(elastic, "checkpoint"),
+        "hang": _runs(elastic, "hang"),
+        "chaos": _runs(elastic, "chaos"),
+        "round_steady_steps": steady_steps,
+        "disagree_fraction": DISAGREE_FRACTION,
         "ray_train": {
             "v2": is_v2_enabled(),
             "poll_interval_s": float(os.environ.get(HEALTH_CHECK_INTERVAL_S_ENV_VAR, DEFAULT_HEALTH_CHECK_INTERVAL_S)),
@@ -382,7 +425,7 @@ def _summarise(args: argparse.Namespace, plan: Plan, rounds: dict[str, list[floa
         },
         "plan": {**plan.__dict__, "quick": args.quick},
         "errors": errors,
-        "command": shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", "benchmarks.bench", *sys.argv[1:]]),
+        "command": _command(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "wall_s": wall_s,
         "phase_wall_s": walls,
@@ -391,11 +434,57 @@ def _summarise(args: argparse.Namespace, plan: Plan, rounds: dict[str, list[floa
         "platform": platform.platform(),
         "git_commit": _git_commit(),
     }
+    return figures, details
+
+
+DEFINITIONS = {
+    "spread": "for each figure, keyed as at the top level (a dotted key names a nested one, e.g. "
+              "median_step_s.elastic): min, median and max over the rounds that measured it, `rounds` (the values "
+              "in round order, null where a round did not measure it) and `disagree`, true when (max - min) / median "
+              "> disagree_fraction. The top-level value of a figure is its spread's median",
+    "median_step_s": "median gap between rank 0's consecutive step completions at world size "
+                     f"{workload.WORLD_SIZE}, after {workload.WARMUP_STEPS} warm-up steps, in each round; median over "
+                     "rounds. torch_ddp_with_ray is the same plain DDP with the subprocess's Ray instance up and idle "
+                     "(started as the Ray systems start theirs, and settled: one no-op task per CPU returned)",
+    "steady_step_ratio_vs_torch_with_ray, steady_step_ratio_vs_torch": "elastic's median step time over plain DDP's "
+        "with an idle Ray instance up (like with like: Ray's daemons take CPU on a small machine) and over bare "
+        "plain DDP, taken within each round; median over rounds. ray_train_steady_step_ratio_vs_torch[_with_ray] "
+        "likewise for Ray Train",
+    "idle_ray_step_ratio": "plain DDP's step time with an idle Ray instance up over bare plain DDP's, within each "
+                           "round: what Ray's daemons alone cost the training beside them",
+    "report_every_step_ratio, ray_train_report_every_step_ratio": "the step time reporting metrics every step over "
+        "the step time without, within each round. A Ray Train worker hands its reports to the controller through "
+        "a queue of one, emptied once per poll of the workers, so reporting every step paces the steps to the poll "
+        "interval; its reporting run happens in the first round only",
+    "elastic_recovery_s, ray_train_recovery_s": "rank 1 killed at the start of a step: from the completion of the "
+        "step before the kill to the first step completed after the heal (elastic) or restart (Ray Train), on "
+        "rank 0. recovery.<system> holds each round's run",
+    "steps_lost, ray_train_steps_lost": "elastic: steps_lost of the controller's recovery event (the step in flight "
+                                        "when the peer died counts); Ray Train: completed steps rolled back to the "
+                                        "last checkpoint",
+    "checkpoint_*, goodput_chaos": "elastic's checkpoint run (a checkpoint every 10 steps) and chaos run (a kill "
+                                   "about every 10 s) happen in the first round only",
+}
+
+
+def _ratios(numerators: list[float | None], denominators: list[float | None]) -> list[float | None]:
+    """Round by round: a ratio between two systems is taken within the round both ran in."""
+    return [n / d if n is not None and d else None for n, d in zip(numerators, denominators)]
+
+
+def _runs(outcomes: list[dict[str, Any] | None], run: str) -> list[dict[str, Any] | None]:
+    return [outcome.get(run) if outcome else None for outcome in outcomes]
+
+
+def _field(outcomes: list[dict[str, Any] | None], run: str, field: str) -> list[float | None]:
+    return [result.get(field) if result else None for result in _runs(outcomes, run)]
 
 
 def _summarise_protocol(args: argparse.Namespace, plan: Plan, runs: dict[str, list[dict[str, Any]]],
-                        errors: dict[str, str], walls: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """The protocol figures: top-level medians for the README, and min/median/max with breakdowns under `protocol`."""
+                        errors: dict[str, str], walls: dict[str, dict[str, float]]
+                        ) -> tuple[dict[str, list[float | None]], dict[str, Any]]:
+    """The protocol figures for the README, each as its values over the rounds, and min/median/max with
+    breakdowns under `protocol`."""
     fast, slow, spare = (runs[name] for name in PROTOCOL_SYSTEMS)
     recovery = {"fast": _recovery_spread(fast), "slow": _recovery_spread(slow), "spare": _recovery_spread(spare)}
     grow = {"fast": _grow_spread(fast), "slow": _grow_spread(slow)}
@@ -404,14 +493,16 @@ def _summarise_protocol(args: argparse.Namespace, plan: Plan, runs: dict[str, li
                      for k in ("seconds", "replacement_start_s", "grow_s")},
         "spare": {"seconds": _spread([r["full_size"]["seconds"] for r in spare])},
     }
-    return {
-        "recovery_s": _median(recovery["fast"]["recovery_s"]),
-        "recovery_fast_s": _median(recovery["fast"]["recovery_s"]),
-        "recovery_slow_s": _median(recovery["slow"]["recovery_s"]),
-        "grow_pause_fast_s": _median(grow["fast"]["pause_s"]),
-        "grow_pause_slow_s": _median(grow["slow"]["pause_s"]),
-        "full_size_after_death_no_spare_s": _median(full_size["no_spare"]["seconds"]),
-        "full_size_after_death_spare_s": _median(full_size["spare"]["seconds"]),
+    figures = {
+        "recovery_s": [r["recovery"]["recovery_s"] for r in fast],
+        "recovery_fast_s": [r["recovery"]["recovery_s"] for r in fast],
+        "recovery_slow_s": [r["recovery"]["recovery_s"] for r in slow],
+        "grow_pause_fast_s": [r["grow"]["pause_from_steps_s"] for r in fast],
+        "grow_pause_slow_s": [r["grow"]["pause_from_steps_s"] for r in slow],
+        "full_size_after_death_no_spare_s": [r["full_size"]["seconds"] for r in fast],
+        "full_size_after_death_spare_s": [r["full_size"]["seconds"] for r in spare],
+    }
+    details = {
         "protocol": {
             "recovery": recovery,
             "grow_pause": grow,
@@ -425,8 +516,12 @@ def _summarise_protocol(args: argparse.Namespace, plan: Plan, runs: dict[str, li
             "phase_wall_s": walls,
         },
     }
+    return figures, details
 
 
+# The protocol's figures at the top level; the protocol's table prints them.
+PROTOCOL_FIGURES = ("recovery_s", "recovery_fast_s", "recovery_slow_s", "grow_pause_fast_s", "grow_pause_slow_s",
+                    "full_size_after_death_no_spare_s", "full_size_after_death_spare_s")
 # Goals of issue 8, printed beside the figures and never enforced.
 PROTOCOL_GOALS = {"recovery_s": 0.2, "grow_pause_s": 0.2, "full_size_after_death_spare_s": 1.0}
 RECOVERY_FIELDS = ("recovery_s", "detect_s", "decide_s", "rendezvous_s", "sync_s", "other_s", "controller_s",
@@ -472,20 +567,62 @@ def _grow_spread(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _spread(values: list[float | None]) -> dict[str, Any] | None:
-    """Min, median and max over the rounds that measured the figure; the rounds' values as they came."""
+    """Min, median and max over the rounds that measured the figure, the rounds' values as they came, and
+    whether the rounds disagree: (max - min) / median > DISAGREE_FRACTION."""
     measured = [v for v in values if v is not None]
     if not measured:
         return None
-    return {"min": min(measured), "median": statistics.median(measured), "max": max(measured), "rounds": values}
+    low, median, high = min(measured), statistics.median(measured), max(measured)
+    return {"min": low, "median": median, "max": high, "rounds": values, "disagree": _disagree(low, median, high)}
+
+
+def _disagree(low: float, median: float, high: float) -> bool:
+    return (high - low) / abs(median) > DISAGREE_FRACTION if median else high != low
 
 
 def _median(spread: dict[str, Any] | None) -> float | None:
     return spread["median"] if spread else None
 
 
-def _provenance(wall_s: float) -> dict[str, Any]:
+def _add_figures(report: dict[str, Any], figures: dict[str, list[float | None]]) -> dict[str, Any]:
+    """Put each figure's median under its key (a dotted key nests: `median_step_s.elastic`) and its spread
+    under `spread`, keyed the same way; returns `report`."""
+    spreads = report.setdefault("spread", {})
+    for key, values in figures.items():
+        spreads[key] = _spread(values)
+        _set_path(report, key, _median(spreads[key]))
+    return report
+
+
+def _set_path(report: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    for parent in parents:
+        report = report.setdefault(parent, {})
+    report[leaf] = value
+
+
+def merge_figures(path: str, figures: dict[str, list[float | None]], details: dict[str, Any],
+                  definitions: dict[str, str], command: str, wall_s: float) -> dict[str, Any]:
+    """Merge figures measured by another command into the JSON report at `path` (created if absent) and write it.
+
+    `figures` maps a key to the figure's values over the rounds (None for a round that did not
+    measure it): its median lands under the key and its min, median and max under
+    `spread.<key>`. `details` replace the top-level keys of the same names; `definitions` are
+    merged into the report's. `produced_by` records that `command` wrote these keys, and when.
+    Returns the merged report.
+    """
+    merged = _merge(_read_report(path), figures, details, definitions, _provenance(command, wall_s))
+    _write_report(path, merged)
+    return merged
+
+
+def _command() -> str:
+    return shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", "benchmarks.bench", *sys.argv[1:]])
+
+
+def _provenance(command: str, wall_s: float) -> dict[str, Any]:
     return {
-        "command": shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", "benchmarks.bench", *sys.argv[1:]]),
+        "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
         "wall_s": wall_s,
@@ -499,23 +636,60 @@ def _read_report(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def _merge(existing: dict[str, Any], protocol: dict[str, Any], provenance: dict[str, Any]) -> dict[str, Any]:
-    """`existing` with the protocol's keys replaced, and `produced_by` saying which command wrote which keys."""
-    written = sorted(protocol) + [f"definitions.{name}" for name in PROTOCOL_DEFINITIONS]
+def _write_report(path: str, report: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+
+
+def _keep_merged_by_others(existing: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """`report` with the keys that other scripts (not this one) merged into `existing`, and their produced_by entries.
+
+    A full run replaces what this script wrote before, but not, say, checkpoint_run.py's figures.
+    """
+    others = [entry for entry in existing.get("produced_by", [])
+              if "benchmarks.bench" not in shlex.split(entry.get("command") or "")]
+    kept = [{**entry, "keys": [key for key in entry["keys"] if _has(existing, key) and not _has(report, key)]}
+            for entry in others]
+    for key in sorted({key for entry in kept for key in entry["keys"]}):
+        section, _, name = key.partition(".")
+        if section in ("spread", "definitions"):
+            report[section][name] = copy.deepcopy(existing[section][name])
+        else:
+            _set_path(report, key, copy.deepcopy(_get_path(existing, key)))
+    report["produced_by"] = [entry for entry in kept if entry["keys"]] + report["produced_by"]
+    return report
+
+
+def _has(report: dict[str, Any], key: str) -> bool:
+    """Whether `report` holds `key`: spread.<figure> and definitions.<name> name one entry, however dotted."""
+    section, _, name = key.partition(".")
+    if section in ("spread", "definitions") and name:
+        return name in report.get(section, {})
+    parts = key.split(".")
+    for part in parts[:-1]:
+        report = report.get(part)
+        if not isinstance(report, dict):
+            return False
+    return parts[-1] in report
+
+
+def _merge(existing: dict[str, Any], figures: dict[str, list[float | None]], details: dict[str, Any],
+           definitions: dict[str, str], provenance: dict[str, Any]) -> dict[str, Any]:
+    """`existing` with these figures and details replaced, and `produced_by` saying which command wrote which keys."""
+    written = sorted({*figures, *details}) + [f"spread.{key}" for key in figures] + [
+        f"definitions.{name}" for name in definitions]
     earlier = existing.get("produced_by")
     if earlier is None and existing:
         # A report from before produced_by: one full run wrote all of it.
         earlier = [{**{k: existing.get(k) for k in ("command", "date", "git_commit", "wall_s")},
                     "keys": sorted(existing)}]
     kept = [{**entry, "keys": [k for k in entry["keys"] if k not in written]} for entry in earlier or []]
-    report = {**existing, **protocol}
-    report["definitions"] = {**existing.get("definitions", {}), **PROTOCOL_DEFINITIONS}
+    report = _add_figures({**copy.deepcopy(existing), **details}, figures)
+    report["definitions"] = {**existing.get("definitions", {}), **definitions}
     report["produced_by"] = [entry for entry in kept if entry["keys"]] + [{**provenance, "keys": written}]
     return report
-
-
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
-    return numerator / denominator if numerator is not None and denominator else None
 
 
 def _git_commit() -> str | None:
@@ -531,6 +705,9 @@ def _print_table(report: dict[str, Any]) -> None:
         _print_systems_table(report)
     if "protocol" in report:
         _print_protocol_table(report["protocol"])
+    if any(_flag(spread) for spread in report.get("spread", {}).values()):
+        print(f"\n! its rounds disagree by more than {DISAGREE_FRACTION:.0%}: (max - min) / median > "
+              f"{DISAGREE_FRACTION}; rerun, or quote it with its spread")
 
 
 def _print_protocol_table(protocol: dict[str, Any]) -> None:
@@ -555,7 +732,8 @@ def _print_protocol_table(protocol: dict[str, Any]) -> None:
         verdict = "" if goal is None or spread.get("median") is None else (
             "  met" if spread["median"] <= goal else "  missed")
         print(f"{label:<58}{_fmt(spread.get('min'), 1, '.3f'):>7}{_fmt(spread.get('median'), 1, '.3f'):>8}"
-              f"{_fmt(spread.get('max'), 1, '.3f'):>7}{('<= ' + format(goal, '.1f')) if goal else '':>8}{verdict}")
+              f"{_fmt(spread.get('max'), 1, '.3f'):>7}{('<= ' + format(goal, '.1f')) if goal else '':>8}{verdict}"
+              f"{_flag(spread)}")
     for name, label in (("fast", "15 ms"), ("slow", "1 s")):
         parts = recovery[name]
         split = " + ".join(f"{key[:-2]} {_fmt(_median(parts[key]), 1000, '.0f')}"
@@ -571,20 +749,25 @@ def _print_protocol_table(protocol: dict[str, Any]) -> None:
 
 def _print_systems_table(report: dict[str, Any]) -> None:
     median = report["median_step_s"]
-    recovery = report["recovery"]
     rows = [
-        ("torch DDP (gloo)", median["torch_ddp"], 1.0 if median["torch_ddp"] else None, None, None, None),
-        ("Ray Train", median["ray_train"], report["ray_train_steady_step_ratio_vs_torch"],
-         report["ray_train_report_every_step_ratio"], recovery["ray_train"].get("recovery_s"),
-         recovery["ray_train"].get("steps_lost")),
-        ("elastic", median["elastic"], report["steady_step_ratio_vs_torch"], report["report_every_step_ratio"],
-         recovery["elastic"].get("recovery_s"), recovery["elastic"].get("steps_lost")),
+        ("torch DDP (gloo)", "torch_ddp", None, None, None, None, None),
+        ("torch DDP, idle Ray up", "torch_ddp_with_ray", None, "idle_ray_step_ratio", None, None, None),
+        ("Ray Train", "ray_train", "ray_train_steady_step_ratio_vs_torch_with_ray",
+         "ray_train_steady_step_ratio_vs_torch", "ray_train_report_every_step_ratio", "ray_train_recovery_s",
+         "ray_train_steps_lost"),
+        ("elastic", "elastic", "steady_step_ratio_vs_torch_with_ray", "steady_step_ratio_vs_torch",
+         "report_every_step_ratio", "elastic_recovery_s", "steps_lost"),
     ]
-    header = f"{'system':<18}{'step ms':>9}{'vs torch':>10}{'report x':>10}{'recovery s':>12}{'steps lost':>12}"
+    rounds = report["plan"]["rounds"]
+    title = f"medians over {rounds} round{'s' if rounds != 1 else ''}"
+    header = (f"{title:<24}{'step ms':>9}{'vs DDP+Ray':>12}{'vs DDP':>9}{'report x':>10}{'recovery s':>12}"
+              f"{'steps lost':>12}")
     print("\n" + header + "\n" + "-" * len(header))
-    for name, step_s, vs_torch, report_x, recovery_s, lost in rows:
-        print(f"{name:<18}{_fmt(step_s, 1000, '.2f'):>9}{_fmt(vs_torch, 1, '.3f'):>10}{_fmt(report_x, 1, '.3f'):>10}"
-              f"{_fmt(recovery_s, 1, '.2f'):>12}{_fmt(lost, 1, 'd'):>12}")
+    for label, run, vs_ray, vs_bare, report_x, recovery_s, lost in rows:
+        cells = [(f"median_step_s.{run}", 1000, ".2f", 9), (vs_ray, 1, ".3f", 12), (vs_bare, 1, ".3f", 9),
+                 (report_x, 1, ".3f", 10), (recovery_s, 1, ".2f", 12), (lost, 1, ".3g", 12)]
+        print((f"{label:<24}" + "".join(f"{_cell(report, key, scale, spec):>{width}}"
+                                        for key, scale, spec, width in cells)).rstrip())
     print(f"\nelastic checkpoint stall {_fmt(report['checkpoint_stall_s'], 1000, '.2f')} ms "
           f"({_fmt(report['checkpoint_stall_ratio_vs_plain_copy'], 1, '.2f')}x a plain copy); write "
           f"{_fmt(report['checkpoint_write_mb_s'], 1, '.0f')} MB/s "
@@ -592,6 +775,39 @@ def _print_systems_table(report: dict[str, Any]) -> None:
     print(f"elastic hang detected after {_fmt(report['hang_detect_s'], 1, '.2f')} s "
           f"({_fmt(report['hang_detect_in_steps'], 1, '.0f')} median steps); goodput with a kill about every 10 s: "
           f"{_fmt(report['goodput_chaos'], 1, '.3f')}")
+    spreads = {key: spread for key, spread in report.get("spread", {}).items()
+               if key not in PROTOCOL_FIGURES}
+    if not spreads:
+        return
+    header = f"{'figure, over its rounds':<48}{'rounds':>7}{'min':>10}{'median':>10}{'max':>10}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for key, spread in spreads.items():
+        spread = spread or {}
+        measured = sum(v is not None for v in spread.get("rounds", []))
+        cells = "".join(f"{_fmt(spread.get(k), 1, '.4g'):>10}" for k in ("min", "median", "max"))
+        print(f"{key:<48}{measured:>7}{cells}{_flag(spread)}")
+
+
+def _cell(report: dict[str, Any], key: str | None, scale: float, spec: str) -> str:
+    """A figure's median, flagged with `!` when its rounds disagree; a report from before `spread` has medians only."""
+    if key is None:
+        return ""
+    spread = report.get("spread", {}).get(key)
+    if spread is None:
+        return _fmt(_get_path(report, key), scale, spec) + " "
+    return _fmt(spread["median"], scale, spec) + ("!" if _flag(spread) else " ")
+
+
+def _get_path(report: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        report = report.get(part) if isinstance(report, dict) else None
+    return report
+
+
+def _flag(spread: dict[str, Any] | None) -> str:
+    if not spread or any(spread.get(k) is None for k in ("min", "median", "max")):
+        return ""
+    return " !" if _disagree(spread["min"], spread["median"], spread["max"]) else ""
 
 
 def _fmt(value: float | int | None, scale: float, spec: str) -> str:

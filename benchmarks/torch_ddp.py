@@ -2,6 +2,9 @@
 
 The parent hosts the rendezvous TCPStore on a port the OS picks (bound via port 0) and
 spawns the ranks; each rank trains, then writes its step stamps to a file the parent reads.
+Nothing here touches Ray: benchmarks/bench.py runs this twice, bare and in a process that has
+started an idle Ray instance first, so that the Ray systems are compared with DDP under the
+same daemons.
 """
 
 from __future__ import annotations
