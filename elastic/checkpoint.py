@@ -1,9 +1,12 @@
 """Durable checkpoints: `checkpoints/step_<N>/` with shard files and a manifest written last.
 
-At a step boundary every rank copies the state to CPU (`take_snapshot`, the only time
-training is blocked) and a background thread writes its shard: rank r of W writes the r-th
-slice of each flat dtype buffer, so the write is spread over all ranks. Rank 0's shard also
-holds the structure, and rank 0 writes the user's own files. When the controller has heard
+At a step boundary every rank copies to CPU the part of the state it writes (`take_snapshot`,
+the only time training is blocked: each tensor's part is copied once, into a buffer allocated
+for the share) and a background thread writes its shard: rank r of W writes the r-th slice of
+each flat dtype buffer, so the copy and the write are spread over all ranks. Rank 0's shard
+also holds the structure, and rank 0 writes the user's own files. torch.save streams a shard
+straight into its file, hashed on the way; on a local disk every file is fsynced before it is
+reported, and the manifest before older checkpoints are deleted. When the controller has heard
 of every shard, it writes `manifest.json`, listing each file's size and sha256, the step,
 world size, data cursor and format version. A folder without a valid manifest whose files
 all match is not a checkpoint, for any reader. `verify` hashes every file once; the
@@ -20,20 +23,25 @@ import json
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import pyarrow.fs as pafs
 import torch
 
 from elastic.data import share_bounds
 from elastic.errors import ElasticError
-from elastic.flat_state import flatten, unflatten
+from elastic.flat_state import describe, gather, numel, unflatten
 from elastic.storage import RunStorage
 
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 USER_FILES = "user"
+# A large write is hashed and written in pieces of this size: small enough that the hash and the
+# write read a piece while it is still in the CPU cache.
+HASH_PIECE_BYTES = 8 << 20
 
 
 class CheckpointError(ElasticError):
@@ -50,30 +58,44 @@ def shard_name(rank: int, world_size: int) -> str:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The CPU copy of the state at a step boundary."""
+    """The CPU copy, at a step boundary, of the part of the state that one rank writes."""
 
     step: int
     progress: dict[str, Any]
     structure: Any
     buffers: dict[str, torch.Tensor]
+    """Each dtype's share for `rank` of `world_size`: all of the flat buffer when world_size is 1."""
+    rank: int = 0
+    world_size: int = 1
 
 
-def take_snapshot(states: dict[str, Any], progress: dict[str, Any]) -> Snapshot:
-    structure, buffers = flatten({"progress": progress, "state": states}, torch.device("cpu"))
-    return Snapshot(progress["step"], progress, structure, buffers)
+def take_snapshot(states: dict[str, Any], progress: dict[str, Any], rank: int = 0, world_size: int = 1) -> Snapshot:
+    """Copy to CPU the share of the state that `rank` of `world_size` writes (by default, all of it).
+
+    Training waits for this copy, so it is a single one: each tensor's part goes straight into
+    a buffer allocated for the share. Every rank holds the same state, so a rank copies only
+    the slice it writes.
+    """
+    structure, tensors = describe({"progress": progress, "state": states})
+    buffers = {}
+    for dtype, parts in tensors.items():
+        start, stop = share_bounds(numel(parts), world_size, rank)
+        buffers[dtype] = gather(parts, start, stop, torch.device("cpu"))
+    return Snapshot(progress["step"], progress, structure, buffers, rank, world_size)
 
 
-def shard_bytes(snapshot: Snapshot, rank: int, world_size: int) -> bytes:
-    """Rank's shard: its slice of every buffer (cloned, so torch.save stores only the slice)."""
+def shard_chunks(snapshot: Snapshot, rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Rank's slice of every dtype buffer, each a tensor of its own (torch.save writes a view's whole storage)."""
+    if (snapshot.rank, snapshot.world_size) == (rank, world_size):
+        return dict(snapshot.buffers)
+    if snapshot.world_size != 1:
+        raise ValueError(f"the snapshot holds the share of rank {snapshot.rank} of {snapshot.world_size}, "
+                         f"not of rank {rank} of {world_size}; take it with take_snapshot(..., {rank}, {world_size})")
     chunks = {}
     for dtype, buffer in snapshot.buffers.items():
         start, stop = share_bounds(buffer.numel(), world_size, rank)
         chunks[dtype] = buffer[start:stop].clone()
-    payload = {"format_version": FORMAT_VERSION, "rank": rank, "world_size": world_size, "chunks": chunks,
-               "structure": snapshot.structure if rank == 0 else None}
-    out = io.BytesIO()
-    torch.save(payload, out)
-    return out.getvalue()
+    return chunks
 
 
 def write_manifest(storage: RunStorage, snapshot_progress: dict[str, Any], world_size: int,
@@ -87,7 +109,12 @@ def write_manifest(storage: RunStorage, snapshot_progress: dict[str, Any], world
         "metadata": metadata,
         "created": time.time(),
     }
-    storage.write_text_atomic(f"{step_dir(manifest['step'])}/{MANIFEST}", json.dumps(manifest, indent=1))
+    folder = step_dir(manifest["step"])
+    storage.write_text_atomic(f"{folder}/{MANIFEST}", json.dumps(manifest, indent=1))
+    # Durable before retention deletes older checkpoints. A manifest torn by a crash before
+    # these fsyncs does not parse or match its files, so it is never taken for a checkpoint.
+    _fsync(storage.fs, storage.path(f"{folder}/{MANIFEST}"))
+    _fsync(storage.fs, storage.path(folder))
     return manifest
 
 
@@ -263,24 +290,88 @@ class CheckpointWriter:
                                   "progress": snapshot.progress, "stall_s": stall_s, "files": []}
         try:
             self.run.fs.create_dir(folder.root, recursive=True)
-            files = {shard_name(rank, world_size): shard_bytes(snapshot, rank, world_size)}
+            chunks = shard_chunks(snapshot, rank, world_size)
+            payload = {"format_version": FORMAT_VERSION, "rank": rank, "world_size": world_size, "chunks": chunks,
+                       "structure": snapshot.structure if rank == 0 else None}
+            crash_after = sum(c.numel() * c.element_size() for c in chunks.values()) // 2 if crash_midway else None
+            report["files"].append(
+                write_file(folder, shard_name(rank, world_size), lambda out: torch.save(payload, out), crash_after))
             if rank == 0:
-                files.update({f"{USER_FILES}/{name}": data for name, data in user_files.items()})
+                for name, data in user_files.items():
+                    report["files"].append(write_file(folder, f"{USER_FILES}/{name}", lambda out: out.write(data)))
                 report["metadata"] = metadata
-            for name, data in files.items():
-                if crash_midway:
-                    _crash_while_writing(folder, name, data)
-                folder.write_bytes(name, data)
-                report["files"].append({"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
         except Exception as exc:  # any storage error: the checkpoint stays incomplete, training goes on
             report["error"] = f"{type(exc).__name__}: {exc}"
         report["upload_s"] = time.perf_counter() - started
         self.on_written(report)
 
 
-def _crash_while_writing(folder: RunStorage, name: str, data: bytes) -> None:
-    """Injected fault: half the shard reaches storage, then the process dies like a crash."""
-    with folder.fs.open_output_stream(folder.path(name)) as out:
-        out.write(data[: len(data) // 2])
-        out.flush()
-        os._exit(1)
+def write_file(folder: RunStorage, name: str, fill: Callable[[Any], Any],
+               crash_after: int | None = None) -> dict[str, Any]:
+    """Write file `name` with `fill(stream)` and make it durable; its manifest entry (name, size, sha256).
+
+    The bytes go from `fill` to storage as they come, hashed on the way: a shard is never
+    held serialized in memory. `crash_after` is the injected fault: the process dies like a
+    crash once that many bytes have reached storage.
+    """
+    if "/" in name:
+        folder.fs.create_dir(folder.path(name.rsplit("/", 1)[0]), recursive=True)
+    path = folder.path(name)
+    local = isinstance(folder.fs, pafs.LocalFileSystem)
+    with ThreadPoolExecutor(1, thread_name_prefix="elastic-checkpoint-hash") as hasher:
+        # A local file is written with Python's own I/O: it lets go of the GIL while it writes, so
+        # the hash runs meanwhile (measured: pyarrow's local stream does not), and it can fsync.
+        with (open(path, "wb") if local else folder.fs.open_output_stream(path)) as out:
+            stream = _HashedStream(out, hasher, crash_after)
+            fill(stream)
+            if local:
+                out.flush()
+                os.fsync(out.fileno())
+    return {"name": name, "size": stream.size, "sha256": stream.sha256.hexdigest()}
+
+
+class _HashedStream:
+    """The file-like object a file is written to: counts and hashes the bytes on their way to `out`.
+
+    A large write goes in pieces, each hashed on the helper thread while this one writes it,
+    so on a machine with a free core the hash costs little more than the write.
+    """
+
+    def __init__(self, out: Any, hasher: ThreadPoolExecutor, crash_after: int | None) -> None:
+        self.out = out
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+        self._hasher = hasher
+        self._crash_after = crash_after
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if self._crash_after is not None and self.size + len(view) >= self._crash_after:
+            self.out.write(view[: self._crash_after - self.size])
+            self.out.flush()
+            os._exit(1)
+        if len(view) <= HASH_PIECE_BYTES:
+            self.sha256.update(view)
+            self.out.write(view)
+        else:
+            for begin in range(0, len(view), HASH_PIECE_BYTES):
+                piece = view[begin : begin + HASH_PIECE_BYTES]
+                hashed = self._hasher.submit(self.sha256.update, piece)
+                self.out.write(piece)
+                hashed.result()  # pieces are hashed in order, and `data` may be freed once write returns
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def _fsync(fs: pafs.FileSystem, path: str) -> None:
+    """Flush a local file, or a local folder's entries, to the disk; an object store's upload
+    is durable once it returns."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)

@@ -3,6 +3,10 @@
 Both healing and checkpoints move state this way: one buffer per dtype instead of hundreds
 of small tensors. The structure holds only plain values and tensor references, so it
 travels as a small object and loads with `torch.load(weights_only=True)`.
+
+`describe` lays the tensors out without copying anything; `gather` then copies any range of a
+dtype's buffer, each tensor's part once, into a buffer allocated for that range. A checkpoint
+uses this to copy only the slice its rank writes.
 """
 
 from __future__ import annotations
@@ -16,16 +20,21 @@ _REF = "__elastic_tensor__"
 
 def flatten(payload: Any, device: torch.device) -> tuple[Any, dict[str, torch.Tensor]]:
     """(structure, {dtype name: 1-d buffer on `device`}); the buffers are copies."""
-    pieces: dict[str, list[torch.Tensor]] = {}
+    structure, tensors = describe(payload)
+    return structure, {dtype: gather(parts, 0, numel(parts), device) for dtype, parts in tensors.items()}
+
+
+def describe(payload: Any) -> tuple[Any, dict[str, list[torch.Tensor]]]:
+    """(structure, {dtype name: the tensors in buffer order}); nothing is copied."""
+    tensors: dict[str, list[torch.Tensor]] = {}
     sizes: dict[str, int] = {}
 
     def walk(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             dtype = str(value.dtype).removeprefix("torch.")
-            flat = value.detach().reshape(-1).to(device)
             offset = sizes.get(dtype, 0)
-            pieces.setdefault(dtype, []).append(flat)
-            sizes[dtype] = offset + flat.numel()
+            tensors.setdefault(dtype, []).append(value.detach())
+            sizes[dtype] = offset + value.numel()
             return {_REF: [dtype, list(value.shape), str(value.device), offset]}
         if isinstance(value, dict):
             return {k: walk(v) for k, v in value.items()}
@@ -33,10 +42,34 @@ def flatten(payload: Any, device: torch.device) -> tuple[Any, dict[str, torch.Te
             return type(value)(walk(v) for v in value)
         return value
 
-    structure = walk(payload)
-    # torch.cat copies even a single piece's worth when given views of live tensors.
-    buffers = {dtype: torch.cat(parts) if len(parts) > 1 else parts[0].clone() for dtype, parts in pieces.items()}
-    return structure, buffers
+    return walk(payload), tensors
+
+
+def numel(tensors: list[torch.Tensor]) -> int:
+    """Length of the buffer that `tensors` make end to end."""
+    return sum(t.numel() for t in tensors)
+
+
+def gather(tensors: list[torch.Tensor], start: int, stop: int, device: torch.device) -> torch.Tensor:
+    """Elements [start, stop) of `tensors` laid end to end, in a new 1-d buffer on `device`.
+
+    The buffer is allocated once and each tensor's part is copied straight into it, across
+    devices and strides alike: no per-tensor temporary and no second copy by `torch.cat`.
+    """
+    buffer = torch.empty(stop - start, dtype=tensors[0].dtype, device=device)
+    offset = 0
+    for tensor in tensors:
+        count = tensor.numel()
+        begin, end = max(start, offset), min(stop, offset + count)
+        if begin < end:
+            target = buffer[begin - start : end - start]
+            if end - begin == count:
+                target.view(tensor.shape).copy_(tensor)
+            else:
+                # Part of a tensor: a view of its flat form (a copy only if it is not contiguous).
+                target.copy_(tensor.reshape(-1)[begin - offset : end - offset])
+        offset += count
+    return buffer
 
 
 def unflatten(structure: Any, buffers: dict[str, torch.Tensor]) -> Any:

@@ -79,6 +79,34 @@ def test_the_manifest_lists_every_file_with_size_and_sha256(run):
     assert manifest["format_version"] == 1 and manifest["world_size"] == 2
 
 
+def test_shards_written_from_each_ranks_own_share_load_back_to_the_whole_state(run):
+    model, optimizer = _model_and_optimizer()
+    extra = {"strided": torch.arange(12.0).reshape(3, 4).t(), "half": torch.arange(5, dtype=torch.bfloat16),
+             "count": torch.tensor(7)}
+    states = {"model": state_of(model), "optimizer": state_of(optimizer), "extra": extra}
+    progress = {"step": 5, "cursor": {"epoch": 0, "consumed": 40, "seed": 0}}
+    reports = []
+    writer = CheckpointWriter(run, on_written=reports.append)
+    for rank in range(3):
+        writer.submit(take_snapshot(states, progress, rank, 3), rank, 3, 0.0, {}, {})
+        writer.wait()
+    write_manifest(run, progress, 3, [f for r in reports for f in r["files"]], {})
+    state = Checkpoint.from_path(run.path(step_dir(5))).load_state()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(state["model"][name], tensor)
+    assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    for name, tensor in extra.items():
+        assert state["extra"][name].dtype == tensor.dtype and torch.equal(state["extra"][name], tensor)
+
+
+def test_a_snapshot_of_one_ranks_share_refuses_to_write_another_ranks_shard(run):
+    reports = []
+    writer = CheckpointWriter(run, on_written=reports.append)
+    writer.submit(take_snapshot({"t": torch.ones(4)}, {"step": 1, "cursor": {}}, 0, 2), 1, 2, 0.0, {}, {})
+    writer.wait()
+    assert "holds the share of rank 0 of 2, not of rank 1 of 2" in reports[0]["error"]
+
+
 def test_user_files_and_metadata_come_back(run):
     _save(run, 4, files={"notes.json": b'{"a": 1}'}, metadata={"tokenizer": "bytes"})
     checkpoint = Checkpoint.from_path(f"{run.root}/{step_dir(4)}")
