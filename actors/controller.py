@@ -170,7 +170,10 @@ class Controller:
 
     # --- carrying out the protocol's actions -----------------------------------------------
     async def _execute(self, actions: list[signals.Action]) -> None:
-        for action in actions:
+        # Workers are started last: a heal's offer, in the same batch, must not wait for that
+        # (a call to the GCS and one actor creation per worker).
+        ordered = sorted(actions, key=lambda action: isinstance(action, signals.StartWorkers))
+        for action in ordered:
             if isinstance(action, signals.Emit):
                 self.journal.emit(action.type, **action.fields)
                 if action.type == "recovery":

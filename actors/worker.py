@@ -124,9 +124,10 @@ class Worker:
     @ray.method(concurrency_group="control")
     def offer(self, spec: GenerationSpec) -> None:
         self.mailbox.offer(spec)
-        if spec.backend == "nccl" and spec.switch_step is None:
-            # An unplanned switch means a member is gone, and the train thread may sit in an
-            # NCCL kernel with it: aborting the old communicator from here is what frees it.
+        if spec.switch_step is None:
+            # An unplanned switch means a member is gone, and the train thread may wait for it
+            # in a collective (an NCCL kernel, or a gloo all-reduce that only the dead rank's
+            # neighbours see fail at once): aborting the old group's collectives frees it.
             self.ctx.abort_stale_group(spec.generation)
 
     @ray.method(concurrency_group="control")

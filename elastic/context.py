@@ -40,6 +40,9 @@ from elastic.errors import ElasticError, WorkerEvictedError
 from elastic.faults import Fault
 from elastic.injection import FaultInjector
 from elastic.group import (
+    ABORTABLE_FROM_WORLD_SIZE,
+    PEER_ABORT_MARKER,
+    Collectives,
     GenerationSpec,
     StoreClient,
     abort_communicator,
@@ -162,6 +165,8 @@ class TrainContext:
         self._train_thread: int | None = None
         self._waiting_on_checkpoint = False
         self._group: tuple[int, dist.ProcessGroup] | None = None
+        self._collectives: Collectives | None = None  # the gradient all-reduces of the current group
+        self._holds_state = False  # synced in a generation before: holds the run's live state
         self._group_lock = threading.Lock()
         self._compute_s = 0.0
         self.mailbox = mailbox
@@ -348,7 +353,8 @@ class TrainContext:
                 }
             )
             return False
-        if is_peer_failure(exc):
+        aborted = self._collectives is not None and self._collectives.aborted is not None
+        if aborted or is_peer_failure(exc):
             # Keep the message, not the exception: its traceback would keep the old DDP alive.
             step.failed = f"{type(exc).__name__}: {exc}"
             if not step.committed and self._optimizer is not None:
@@ -431,6 +437,9 @@ class TrainContext:
             self._model.ddp = None
         with self._group_lock:
             self._group = None
+        if self._collectives is not None:
+            self._collectives.abort(f"{PEER_ABORT_MARKER}: generation {self._collectives.generation} was left")
+            self._collectives = None
         leave_group(self.spec.backend if self.spec else "gloo")
 
     def _form(self, spec: GenerationSpec, left: float) -> dict[str, float] | None:
@@ -452,6 +461,8 @@ class TrainContext:
         form_group(spec, store)
         with self._group_lock:
             self._group = (spec.generation, dist.group.WORLD)
+        abortable = spec.backend == "gloo" and spec.world_size >= ABORTABLE_FROM_WORLD_SIZE
+        self._collectives = Collectives(spec.generation, abortable)
         connected = time.perf_counter()
         if spec.restart:
             # No member holds live state: rank 0 restores the checkpoint (or everyone starts
@@ -461,7 +472,9 @@ class TrainContext:
             if spec.resume_from is not None and spec.rank == 0:
                 self._restore(spec.resume_from)
         progress = {"step": self._step_index, "cursor": self._cursor.to_dict()}
-        self._last_sync, progress = sync_state(self._objects, progress, self.device)
+        holds_state = self._holds_state and not spec.restart
+        self._last_sync, progress = sync_state(self._objects, progress, self.device, holds_state)
+        self._holds_state = True
         self._step_index = progress["step"]
         self._cursor = data_math.DataCursor(**progress["cursor"])
         if self._model is not None:
@@ -497,16 +510,21 @@ class TrainContext:
         ddp = DistributedDataParallel(
             module, device_ids=[self.device.index] if self.device.type == "cuda" else None, init_sync=False
         )
-        if self.faults.needs_comm_hook:
-            ddp.register_comm_hook(self, _counted_allreduce)
+        if self._collectives.abortable or self.faults.needs_comm_hook:
+            ddp.register_comm_hook(self, _allreduce_hook)
         return ddp
 
     def abort_stale_group(self, newer_generation: int) -> None:
-        """Abort the NCCL communicator of a generation older than `newer_generation`, from the
-        control thread: the train thread may sit in one of its kernels with a dead peer. The
-        group is the one captured when it formed, so the one replacing it is never hit."""
+        """Abort the collectives of a generation older than `newer_generation`, from the control
+        thread: the train thread may wait in one of them for a dead peer. On NCCL that is the
+        communicator of the group captured when it formed, so the one replacing it is never
+        hit; on gloo, the generation's gradient all-reduces (`Collectives`)."""
         with self._group_lock:
             stale = self._group if self._group and self._group[0] < newer_generation else None
+        collectives = self._collectives
+        if collectives is not None and collectives.generation < newer_generation:
+            collectives.abort(f"{PEER_ABORT_MARKER}: the controller offered generation {newer_generation} "
+                              f"in place of {collectives.generation}, which lost a member")
         if stale is not None:
             abort_communicator(stale[1])
 
@@ -552,18 +570,18 @@ class TrainContext:
         self._leave()
 
 
-def _counted_allreduce(ctx, bucket):
-    """DDP's all-reduce with the faults that act inside it, counting the buckets launched.
+def _allreduce_hook(ctx, bucket):
+    """DDP's all-reduce, abortable on gloo (`Collectives`), with the faults that act inside it,
+    counting the buckets launched.
 
-    Installed only when such faults exist: a Python comm hook costs several percent of a
-    small model's step. Unannotated on purpose: DDP rejects a hook whose annotations are
-    strings, which `from __future__ import annotations` would make them.
+    Installed where the all-reduce must be abortable, and wherever such faults exist.
+    Unannotated on purpose: DDP rejects a hook whose annotations are strings, which
+    `from __future__ import annotations` would make them.
     """
     ctx.faults.at("allreduce", ctx.rank, ctx.step)
-    tensor = bucket.buffer().div_(dist.get_world_size())
-    work = dist.all_reduce(tensor, async_op=True)
+    future = ctx._collectives.all_reduce(bucket.buffer().div_(dist.get_world_size()))
     ctx._launched += 1
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return future
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

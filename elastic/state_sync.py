@@ -5,7 +5,8 @@ furthest ahead (the lowest such rank on a tie) is the source. It sends the struc
 state (without tensor data) as one small object, then the tensor data as one flat buffer per
 dtype, which every other rank loads in place. A newcomer (step 0) therefore receives the
 model, optimizer and data cursor of the live ranks; a survivor that missed the last step
-catches up; nobody reads storage.
+catches up; nobody reads storage. When every rank already holds the live state of the
+same step (a heal in which no survivor was a step ahead), nothing but the steps is sent.
 """
 
 from __future__ import annotations
@@ -26,21 +27,25 @@ class SyncResult:
     steps_before: list[int]
 
 
-def sync_state(objects: dict[str, Any], progress: dict[str, Any], device: torch.device) -> tuple[SyncResult, dict[str, Any]]:
+def sync_state(objects: dict[str, Any], progress: dict[str, Any], device: torch.device,
+               holds_state: bool = False) -> tuple[SyncResult, dict[str, Any]]:
     """Make every rank hold the state of the most advanced one.
 
     `objects` maps names to things with `state_dict`/`load_state_dict`, or to tensors.
-    `progress` holds plain values and must contain "step". Returns the sync result and the
-    progress every rank now shares.
+    `progress` holds plain values and must contain "step". `holds_state` says this rank
+    holds the run's live state of that step (it trained in an earlier generation). Returns
+    the sync result and the progress every rank now shares.
     """
     world_size = dist.get_world_size()
-    mine = torch.tensor([progress["step"]], dtype=torch.int64, device=device)
+    mine = torch.tensor([progress["step"], int(holds_state)], dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine)
-    steps = [int(t.item()) for t in gathered]
+    steps = [int(t[0].item()) for t in gathered]
     source = steps.index(max(steps))
     result = SyncResult(source_rank=source, step=steps[source], steps_before=steps)
-    if world_size == 1:
+    if world_size == 1 or (all(int(t[1].item()) for t in gathered) and min(steps) == max(steps)):
+        # Every rank holds the live state of the same step: the same state, since every
+        # step gave each of them the same all-reduced gradients. There is nothing to send.
         return result, progress
 
     is_source = dist.get_rank() == source

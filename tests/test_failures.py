@@ -1,10 +1,15 @@
 """Failures elastic does not heal: errors in the user's code, and too little capacity."""
 
+import concurrent.futures
+import time
+
 import pytest
 import ray
 
 from elastic import CapacityTimeoutError, DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
 from elastic.errors import ElasticError, TrainingFailedError
+from elastic.events import read_events
+from elastic.storage import RunStorage
 from workloads import GLOBAL_BATCH, regression_loop
 
 pytestmark = pytest.mark.timeout(180)
@@ -38,8 +43,6 @@ def test_a_user_exception_is_retried_no_more_than_max_failures(local_ray, tmp_pa
     )
     with pytest.raises(TrainingFailedError):
         trainer.fit()
-    from elastic.events import read_events
-    from elastic.storage import RunStorage
 
     events = read_events(RunStorage(str(tmp_path), "retried"))
     app_errors = [e for e in events if e["type"] == "worker_failed" and e["kind"] == "app_error"]
@@ -95,9 +98,17 @@ def test_a_collective_with_mismatched_shapes_fails_the_run_as_an_application_err
 
 
 def test_a_warm_spare_takes_a_dead_members_place_in_the_heal_itself(local_ray, tmp_path):
+    # Training is held at step 5 until the spare has started, so the kill at step 10 finds
+    # it warm however slowly this machine starts actors.
+    gate = tmp_path / "spare-is-warm"
     trainer = _trainer(tmp_path, "spare", ScalingConfig(min_workers=1, max_workers=2, spare_workers=1),
-                       faults=[Fault(kind="kill", rank=1, step=10)], sleep_s=0.02)
-    result = trainer.fit()
+                       faults=[Fault(kind="kill", rank=1, step=10)], sleep_s=0.02, gate=(5, str(gate)))
+    fit = concurrent.futures.ThreadPoolExecutor(1).submit(trainer.fit)
+    storage = RunStorage(str(tmp_path), "spare")
+    while len([e for e in read_events(storage) if e["type"] == "worker_started"]) < 3 and not fit.done():
+        time.sleep(0.05)
+    gate.touch()
+    result = fit.result()
     first, heal = result.events_of("generation_formed")[:2]
     assert first["world_size"] == 2 and heal["kind"] == "heal" and heal["world_size"] == 2, "not back at full size"
     members_before = {m["worker_id"] for m in first["members"]}

@@ -90,6 +90,9 @@ def regression_loop(config: dict) -> dict:
             raise ValueError(f"injected user error on rank {ctx.rank} at step {step.index}")
         elastic.report({"loss": loss.item()})
         time.sleep(config.get("sleep_s", 0.0))
+        gate_step, gate_file = config.get("gate", (-1, ""))
+        while step.index == gate_step and not os.path.exists(gate_file):
+            time.sleep(0.01)  # held until the test opens the gate: a state of the run it waits for
     return {
         "params": {k: v.clone() for k, v in model.module.state_dict().items()},
         "ledger": ledger.clone(),

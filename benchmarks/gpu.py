@@ -1,0 +1,236 @@
+"""The GPU figures, in one prepared script for a machine with CUDA (run from the repository root):
+
+    .venv/bin/python -m benchmarks.gpu                      # writes benchmarks/results/gpu.json
+    .venv/bin/python -m benchmarks.gpu --out /tmp/gpu.json
+
+Without CUDA it says so and exits with code 2. It measures, each as min, median and max:
+
+- NCCL generations, the way a worker joins and leaves them (`elastic.group`): one process per
+  GPU (world size 1, and 2 where there are two GPUs) forms generation 0 (the store barrier,
+  `init_process_group` and the first all-reduce, which is when NCCL builds its communicator),
+  then aborts it as a heal does (`abort_communicator` from another thread, then
+  `leave_group`) and forms the next one, GENERATIONS times;
+- the demo's LM (`elastic.demo.model.TinyLM` with the demo's ModelConfig, AdamW, a batch of
+  LM_BATCH windows of the demo's length) on one GPU: steps per second in fp32 and under bf16
+  autocast;
+- the checkpoint stall from GPU memory: `elastic.checkpoint.take_snapshot` of a model and its
+  AdamW state of about SNAPSHOT_PARAMS parameters (~SNAPSHOT_PARAMS * 12 bytes), against a
+  plain `.cpu()` copy of every tensor of the same state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results", "gpu.json")
+NEEDS_GPU_EXIT = 2
+GENERATIONS = 5
+LM_BATCH = 32  # the demo's global batch
+LM_WARMUP_STEPS, LM_STEPS = 20, 200
+SNAPSHOT_PARAMS = 200_000_000  # fp32 weights and two AdamW moments: ~2.4 GB on the GPU
+SNAPSHOT_ROUNDS = 5
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=DEFAULT_OUT, help="where to write the JSON (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu.py needs a CUDA GPU, and this machine has none (torch.cuda.is_available() is False). "
+              "Run it on a GPU machine; the CPU figures come from benchmarks.bench and benchmarks.scale.",
+              file=sys.stderr)
+        return NEEDS_GPU_EXIT
+    started = time.time()
+    gpus = torch.cuda.device_count()
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "nccl_generations": {str(size): nccl_generations(size) for size in (1, 2) if size <= gpus},
+        "lm_steps_per_s": {precision: lm_steps_per_s(precision) for precision in ("fp32", "bf16")},
+        "checkpoint_stall": checkpoint_stall(),
+    }
+    report.update({
+        "command": shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", "benchmarks.gpu",
+                               *(argv if argv is not None else sys.argv[1:])]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "wall_s": time.time() - started,
+    })
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    print(json.dumps(report, indent=2))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+# --- NCCL generations ---------------------------------------------------------------------------
+def nccl_generations(world_size: int) -> dict[str, Any]:
+    """Form, abort and re-form NCCL generations in the same processes, one per GPU."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    results = mp.Manager().dict()
+    mp.start_processes(_generations_member, args=(world_size, store.port, results), nprocs=world_size,
+                       start_method="spawn")
+    ranks = [results[r] for r in range(world_size)]
+    # A generation is formed when its slowest member is: the most over ranks, per generation.
+    slowest = {key: [max(r[key][g] for r in ranks) for g in range(len(ranks[0][key]))]
+               for key in ("form_s", "abort_s", "leave_s")}
+    return {"first_form_s": slowest["form_s"][0], "reform_s": _spread(slowest["form_s"][1:]),
+            "abort_s": _spread(slowest["abort_s"]), "leave_s": _spread(slowest["leave_s"]),
+            "generations": GENERATIONS}
+
+
+def _generations_member(rank: int, world_size: int, port: int, results: Any) -> None:
+    from elastic.group import GenerationSpec, StoreClient, abort_communicator, form_group, leave_group, rendezvous
+
+    torch.cuda.set_device(rank)
+    store = StoreClient().get("127.0.0.1", port)
+    times: dict[str, list[float]] = {"form_s": [], "abort_s": [], "leave_s": []}
+    for generation in range(GENERATIONS):
+        spec = GenerationSpec(generation=generation, rank=rank, world_size=world_size, local_rank=rank,
+                              local_world_size=world_size, node_rank=0, store_host="127.0.0.1", store_port=port,
+                              backend="nccl", reason="benchmark", collective_timeout_s=60.0)
+        began = time.perf_counter()
+        if not rendezvous(spec, store):
+            raise RuntimeError(f"generation {generation} was aborted; nothing here aborts it")
+        form_group(spec, store)
+        probe = torch.ones(1, device="cuda")
+        dist.all_reduce(probe)  # NCCL builds the communicator on the first collective
+        torch.cuda.synchronize()
+        times["form_s"].append(time.perf_counter() - began)
+        # A heal: the control thread aborts the stale communicator, then the train thread leaves.
+        group = dist.group.WORLD
+        aborter = threading.Thread(target=_timed, args=(abort_communicator, group, times["abort_s"]))
+        aborter.start()
+        aborter.join()
+        _timed(leave_group, "nccl", times["leave_s"])
+    results[rank] = times
+
+
+def _timed(function: Callable[[Any], Any], argument: Any, into: list[float]) -> None:
+    began = time.perf_counter()
+    function(argument)
+    into.append(time.perf_counter() - began)
+
+
+# --- the demo's LM --------------------------------------------------------------------------------
+def lm_steps_per_s(precision: str) -> dict[str, Any]:
+    """Training steps per second of the demo's LM on one GPU, in fp32 or under bf16 autocast."""
+    from elastic.demo.corpus import VOCAB_SIZE
+    from elastic.demo.model import ModelConfig, TinyLM
+
+    config = ModelConfig()
+    model = TinyLM(config, seed=0).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tokens = torch.randint(0, VOCAB_SIZE, (LM_BATCH, config.seq_len + 1), device="cuda",
+                           generator=torch.Generator(device="cuda").manual_seed(0))
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def step() -> None:
+        with autocast:
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE).float(), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(LM_WARMUP_STEPS):
+        step()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(LM_STEPS):
+        step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - began
+    params = sum(p.numel() for p in model.parameters())
+    return {"steps_per_s": LM_STEPS / elapsed, "step_s": elapsed / LM_STEPS, "steps": LM_STEPS,
+            "batch": LM_BATCH, "seq_len": config.seq_len, "parameters": params}
+
+
+# --- checkpoint stall from GPU memory -----------------------------------------------------------------
+def checkpoint_stall() -> dict[str, Any]:
+    """`take_snapshot` of a GPU-resident model and AdamW state against a plain `.cpu()` copy."""
+    from elastic.checkpoint import take_snapshot
+    from elastic.state_sync import state_of
+
+    width = 4096
+    layers = max(1, SNAPSHOT_PARAMS // (width * width))
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers))).cuda()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, width, device="cuda")).sum().backward()
+    optimizer.step()  # creates both moments: the state a checkpoint holds
+    states = {"model": state_of(model), "optimizer": state_of(optimizer)}
+    tensors = [t for t in _tensors(states)]
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    progress = {"step": 1, "cursor": {"epoch": 0, "consumed": 0, "seed": 0}}
+
+    def snapshot() -> None:
+        take_snapshot(states, progress)
+
+    def plain_copy() -> None:
+        [t.cpu() for t in tensors]
+
+    stall, copy = [], []
+    for _ in range(SNAPSHOT_ROUNDS):  # alternate, so drift in the machine hits both alike
+        stall.append(_synchronized(snapshot))
+        copy.append(_synchronized(plain_copy))
+    return {"bytes": state_bytes, "stall_s": _spread(stall), "plain_cpu_copy_s": _spread(copy),
+            "stall_ratio_vs_plain_copy": statistics.median(stall) / statistics.median(copy),
+            "rounds": SNAPSHOT_ROUNDS}
+
+
+def _tensors(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _synchronized(function: Callable[[], None]) -> float:
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    function()
+    torch.cuda.synchronize()
+    return time.perf_counter() - began
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "values": values}
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
