@@ -25,7 +25,7 @@ from actors.metrics import RunMetrics
 from actors.worker import Worker
 from elastic import policies, signals
 from elastic.checkpoint import Checkpoint, latest_complete
-from elastic.config import DataConfig, RunConfig, ScalingConfig
+from elastic.config import DataConfig, RunConfig, ScalingConfig, Strategy
 from elastic.events import EventJournal, read_events
 from elastic.faults import Fault
 from elastic.group import GenerationSpec, abort_generation
@@ -49,6 +49,7 @@ class RunSpec:
     scaling: ScalingConfig
     run: RunConfig
     data: DataConfig
+    strategy: Strategy
     faults: list[Fault] = field(default_factory=list)
     resume_from: Checkpoint | None = None
     attempt: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -75,6 +76,7 @@ class Controller:
         this_attempt = mine[since:] if self.restarted else []
         self.protocol = Protocol(
             spec.scaling, spec.run.failure_config, spec.data.max_steps,
+            switch_every=spec.strategy.sync_options.get("every", 1),
             generation=max((e.get("generation", -1) for e in this_attempt), default=-1),
             failures=max((e.get("failures", 0) for e in this_attempt if e["type"] == "decision"), default=0),
         )
@@ -253,7 +255,7 @@ class Controller:
             handle = Worker.options(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, max_restarts=0,
                                     scheduling_strategy=placement).remote(
                 worker_id, me, self.spec.data, self.spec.run.checkpoint_config, self.storage, self.spec.faults,
-                self.spec.scaling.use_gpu, num_cpus,
+                self.spec.scaling.use_gpu, num_cpus, self.spec.strategy,
             )
             self.handles[worker_id] = handle
             asyncio.ensure_future(self._watch(worker_id, handle))

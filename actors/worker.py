@@ -22,7 +22,7 @@ import ray
 import torch
 
 from elastic.checkpoint import CheckpointWriter
-from elastic.config import CheckpointConfig, DataConfig
+from elastic.config import CheckpointConfig, DataConfig, Strategy
 from elastic.context import TrainContext, _set_current
 from elastic.errors import WorkerEvictedError
 from elastic.faults import Fault
@@ -45,6 +45,7 @@ class Worker:
         faults: list[Fault],
         use_gpu: bool,
         num_cpus: float,
+        strategy: Strategy,
     ) -> None:
         torch.set_num_threads(max(1, int(num_cpus)))
         self.worker_id = worker_id
@@ -59,7 +60,7 @@ class Worker:
         writer = CheckpointWriter(storage, on_written=lambda report: ray.get(controller.shard_written.remote(report)))
         self.ctx = TrainContext(
             data_config, self.mailbox, faults, self._reports.append, use_gpu, checkpoint_config, writer,
-            on_fault=self._on_fault,
+            on_fault=self._on_fault, strategy=strategy,
         )
         self._stop = threading.Event()
         threading.Thread(target=self._flush_loop, daemon=True, name="elastic-reports").start()

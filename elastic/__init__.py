@@ -4,7 +4,7 @@
 worker's train loop) can be imported without pulling in the driver's side.
 """
 
-from elastic.config import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+from elastic.config import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig, Strategy
 from elastic.context import MicroBatch, Step, TrainContext, get_context, report
 from elastic.data import DataCursor, ParquetDataset
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
@@ -25,6 +25,7 @@ __all__ = [
     "RunConfig",
     "ScalingConfig",
     "Step",
+    "Strategy",
     "TrainContext",
     "TrainingFailedError",
     "get_context",

@@ -82,6 +82,14 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
         help="fault to inject, e.g. kill:rank=1,step=20 or kill:rank=0,step=50,where=allreduce; repeatable. "
         f"'{NO_FAULTS}' injects nothing. Default: kill rank 1 a quarter into the run",
     )
+    strategy = defaults.strategy
+    demo.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=strategy.precision,
+                      help="autocast the forward; fp16 also scales the loss (default: %(default)s)")
+    demo.add_argument("--compression", choices=["none", "fp16", "bf16"], default=strategy.compression,
+                      help="dtype of DDP's gradient all-reduce (default: %(default)s)")
+    demo.add_argument("--sync", default=strategy.sync, metavar="SPEC",
+                      help="ddp, local_sgd:every=H or diloco:every=H[,outer_lr=X][,outer_momentum=X] "
+                      "(default: %(default)s)")
     demo.add_argument("--storage-path", default=defaults.storage_path, help="where run folders go (default: %(default)s)")
     demo.add_argument("--name", default=defaults.name,
                       help="run name; an earlier run of this name is replaced (default: %(default)s)")
@@ -114,6 +122,7 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         config = DemoConfig(
             name=args.name, storage_path=args.storage_path, address=args.address, data_dir=args.data_dir,
             min_workers=args.min_workers, max_workers=args.max_workers, steps=args.steps, faults=faults,
+            strategy={"precision": args.precision, "compression": args.compression, "sync": args.sync},
         )
     except ValidationError as exc:
         parser.error("; ".join(_validation_message(e) for e in exc.errors()))

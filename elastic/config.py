@@ -187,6 +187,82 @@ class RunConfig(_Frozen):
         return self
 
 
+_SYNC_OPTIONS = {
+    "ddp": {},
+    "local_sgd": {"every": int},
+    "diloco": {"every": int, "outer_lr": float, "outer_momentum": float},
+}
+_SYNC_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9}
+
+
+class Strategy(_Frozen):
+    """How gradients and state travel: the techniques of distributed training, each of which
+    every heal and grow carries in place (docs/techniques.md)."""
+
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Autocast the prepared model's forward to bf16 or fp16; fp16 also scales the loss "
+        "with a GradScaler whose state every rank shares."
+    )
+    compression: Literal["none", "fp16", "bf16"] = Field(
+        "none", description="Send DDP's gradient buckets in this dtype: half the bytes of fp32."
+    )
+    sync: str = Field(
+        "ddp", description="'ddp': all-reduce gradients every step. 'local_sgd:every=H': average parameters "
+        "every H steps. 'diloco:every=H,outer_lr=0.7,outer_momentum=0.9': every H steps an outer Nesterov SGD "
+        "steps on the averaged difference from the last sync. Rescales happen only at those syncs."
+    )
+
+    @field_validator("sync")
+    @classmethod
+    def _check_sync(cls, sync: str) -> str:
+        parse_sync(sync)
+        return sync
+
+    @model_validator(mode="after")
+    def _check(self) -> "Strategy":
+        kind = parse_sync(self.sync)["kind"]
+        if kind != "ddp" and self.compression != "none":
+            raise ValueError(f"compression={self.compression!r} acts on DDP's per-step gradient all-reduce, which "
+                             f"sync={self.sync!r} does not do; use one or the other")
+        if kind != "ddp" and self.precision == "fp16":
+            raise ValueError(f"precision='fp16' needs every rank to skip the same overflowing steps, which only "
+                             f"sync='ddp' guarantees; use precision='bf16' with sync={self.sync!r}")
+        return self
+
+    @property
+    def sync_options(self) -> dict[str, Any]:
+        """The parsed `sync`: {"kind": ..., "every": H, ...} with defaults filled in."""
+        return parse_sync(self.sync)
+
+
+def parse_sync(text: str) -> dict[str, Any]:
+    """'diloco:every=8,outer_lr=0.5' -> {"kind": "diloco", "every": 8, "outer_lr": 0.5, "outer_momentum": 0.9}."""
+    kind, _, rest = text.partition(":")
+    usage = "'ddp', 'local_sgd:every=H' or 'diloco:every=H[,outer_lr=X][,outer_momentum=X]'"
+    if kind not in _SYNC_OPTIONS:
+        raise ValueError(f"sync {text!r} is not one of {usage}")
+    allowed = _SYNC_OPTIONS[kind]
+    parsed: dict[str, Any] = {"kind": kind}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in allowed:
+            raise ValueError(f"sync {text!r}: {kind} takes no option {key!r}; use {usage}")
+        try:
+            parsed[key] = allowed[key](value)
+        except ValueError:
+            kind_of = {int: "an integer", float: "a number"}[allowed[key]]
+            raise ValueError(f"sync {text!r}: {key}={value!r} is not {kind_of}") from None
+    if kind == "ddp":
+        return parsed
+    if "every" not in parsed or parsed["every"] < 1:
+        raise ValueError(f"sync {text!r} needs every=H with H >= 1 steps between syncs, e.g. '{kind}:every=8'")
+    if kind == "diloco":
+        parsed = {**_SYNC_DEFAULTS, **parsed}
+        if parsed["outer_lr"] <= 0 or not 0 <= parsed["outer_momentum"] < 1:
+            raise ValueError(f"sync {text!r}: outer_lr must be > 0 and 0 <= outer_momentum < 1")
+    return parsed
+
+
 def check_fits(scaling: ScalingConfig, data: DataConfig) -> None:
     """Cross-config checks that need both models; raises ValueError with the numbers."""
     if data.global_batch_size < scaling.max_workers:

@@ -35,15 +35,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic import data as data_math
 from elastic.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, take_snapshot
-from elastic.config import CheckpointConfig, DataConfig
+from elastic.collectives import Collectives
+from elastic.compression import GradientCompression
+from elastic.config import CheckpointConfig, DataConfig, Strategy
 from elastic.errors import ElasticError, WorkerEvictedError
 from elastic.faults import Fault
 from elastic.injection import FaultInjector
 from elastic.group import (
     ABORTABLE_FROM_WORLD_SIZE,
     PEER_ABORT_MARKER,
-    Collectives,
     GenerationSpec,
+    GradientAllReduce,
     StoreClient,
     abort_communicator,
     form_group,
@@ -51,7 +53,9 @@ from elastic.group import (
     leave_group,
     rendezvous,
 )
+from elastic.local_sgd import Backup, OuterSync, average_inner_state
 from elastic.mailbox import GenerationMailbox
+from elastic.precision import Precision
 from elastic.state_sync import load_into, state_of, sync_state
 
 # Steps between the boundary all-reduces that agree on time-based checkpoints (only runs with
@@ -82,12 +86,13 @@ class MicroBatch:
     indices: torch.Tensor
     weight: float
     on_sync: Callable[[], None] | None = None  # called before the backward that syncs gradients
+    run_backward: Callable[[torch.Tensor], None] = torch.Tensor.backward  # fp16 scales the loss first
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate the micro-batch's mean loss, weighted so the step is the global-batch mean."""
         if self.on_sync is not None:
             self.on_sync()
-        (loss * self.weight).backward()
+        self.run_backward(loss * self.weight)
 
 
 class Step:
@@ -119,17 +124,20 @@ class Step:
 
 
 class ElasticDDP:
-    """The prepared model: calls go to a DistributedDataParallel rebuilt for each generation."""
+    """The prepared model: calls go to a DistributedDataParallel rebuilt for each generation
+    (to the module itself under local SGD, which syncs parameters, not gradients), under the
+    run's autocast."""
 
     def __init__(self, ctx: "TrainContext", module: torch.nn.Module) -> None:
         self._ctx = ctx
         self.module = module
         self.ddp: DistributedDataParallel | None = None
+        self.formed = False
 
     def __call__(self, *args, **kwargs):
-        if self.ddp is None:
+        if not self.formed:
             raise ElasticError("the prepared model is used before ctx.steps() formed the first generation")
-        return self.ddp(*args, **kwargs)
+        return self._ctx._precision.forward(self.ddp or self.module, *args, **kwargs)
 
     def __getattr__(self, name: str):
         return getattr(self.module, name)
@@ -148,6 +156,7 @@ class TrainContext:
         checkpoint_config: CheckpointConfig = CheckpointConfig(),
         writer: CheckpointWriter | None = None,
         on_fault: Callable[[Fault], None] = lambda fault: None,
+        strategy: Strategy = Strategy(),
     ) -> None:
         if checkpoint_config.enabled and writer is None:
             raise ElasticError("a checkpoint schedule needs a CheckpointWriter")
@@ -165,7 +174,8 @@ class TrainContext:
         self._train_thread: int | None = None
         self._waiting_on_checkpoint = False
         self._group: tuple[int, dist.ProcessGroup] | None = None
-        self._collectives: Collectives | None = None  # the gradient all-reduces of the current group
+        self._gradient_all_reduce: GradientAllReduce | None = None  # the current group's, abortable
+        self._collectives: Collectives | None = None  # the train loop's, for the current generation
         self._holds_state = False  # synced in a generation before: holds the run's live state
         self._group_lock = threading.Lock()
         self._compute_s = 0.0
@@ -173,6 +183,14 @@ class TrainContext:
         self.faults = FaultInjector(faults, self._claim)
         self._report_sink = report_sink
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+        self.strategy = strategy
+        self._precision = Precision(strategy.precision, self.device)
+        self._compression = GradientCompression(strategy.compression)
+        self._hooked = False  # DDP's all-reduce goes through `_allreduce_hook`, which counts its bytes
+        self._gradient_bytes = 0  # what one step's gradient sync hands to the all-reduce, unhooked
+        self._outer: OuterSync | None = None  # local SGD / DiLoCo
+        self._backup = Backup()  # local SGD's state at its last sync
+        self._rolled_back = 0
         self.spec: GenerationSpec | None = None
         self._store = StoreClient()
         self._model: ElasticDDP | None = None
@@ -214,6 +232,10 @@ class TrainContext:
         model.to(self.device)
         self._model = ElasticDDP(self, model)
         self._objects["model"] = model
+        self._gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        if self.strategy.sync_options["kind"] != "ddp":
+            self._outer = OuterSync(self.strategy.sync_options, model)
+            self._objects["outer_sync"] = self._outer
         return self._model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -223,7 +245,35 @@ class TrainContext:
         self._optimizer = optimizer
         self._objects["optimizer"] = optimizer
         optimizer.register_step_post_hook(lambda *_: self._commit())
+        if self._precision.scaler is not None:
+            self._objects["grad_scaler"] = self._precision.scaler
+            self._precision.wrap_step(optimizer)
         return optimizer
+
+    def autocast(self):
+        """The run's autocast (`Strategy.precision`), for work outside the prepared model's forward."""
+        return self._precision.autocast()
+
+    @property
+    def collectives(self) -> Collectives:
+        """all_reduce, sample_mean, all_gather, broadcast, reduce_scatter and all_to_all over the
+        current generation's group; a peer's death inside one heals like any in a step."""
+        if self.spec is None:
+            raise ElasticError("ctx.collectives is used before ctx.steps() formed the first generation")
+        if self._collectives is None or self._collectives.generation != self.generation:
+            self._collectives = Collectives(self.generation, lambda: self.generation)
+        return self._collectives
+
+    @property
+    def communication(self) -> dict[str, int]:
+        """What this rank sent for the technique's sync so far: gradient bytes handed to DDP's
+        all-reduce (after compression), and local SGD's outer syncs."""
+        return {"gradient_bytes": self._compression.bytes_sent, "outer_syncs": self._outer.syncs if self._outer else 0}
+
+    def synced_state(self) -> dict[str, Any]:
+        """The state of everything a heal or a grow syncs (model, optimizer, registered state,
+        the technique's), by name: the same on every rank of a generation."""
+        return {name: state_of(obj) for name, obj in self._objects.items()}
 
     def register_state(self, name: str, obj: Any) -> None:
         """Sync another stateful object (a tensor, or anything with state_dict/load_state_dict)."""
@@ -276,6 +326,8 @@ class TrainContext:
                 self._flag = None
                 self._join(reason="heal", lost=0 if step.committed else 1)
                 continue
+            if self._outer is not None and self._outer.due(self._step_index) and not self._outer_sync():
+                continue
             every = self.checkpoint_config.every_steps
             if self._step_index == max_steps and self.checkpoint_config.enabled:
                 self._checkpoint()
@@ -286,6 +338,19 @@ class TrainContext:
                 self._launch_flag()
         self._flag = None
         self._wait_for_writer()
+
+    def _outer_sync(self) -> bool:
+        """Local SGD's sync after an interval's last step; False if a peer died in it (healed)."""
+        try:
+            self._outer.sync()
+        except Exception as exc:
+            if not is_peer_failure(exc):
+                raise
+            self._flag = None
+            self._join(reason="heal")
+            return False
+        self._backup.take(self._objects, {"step": self._step_index, "cursor": self._cursor.to_dict()})
+        return True
 
     def _wait_for_writer(self) -> None:
         """Wait for the previous checkpoint's upload; the hang check counts this as progress."""
@@ -313,6 +378,7 @@ class TrainContext:
                 indices=chunk,
                 weight=data_math.gradient_weight(stop - start, step.world_size, cfg.global_batch_size),
                 on_sync=(lambda: self._enter_sync(step)) if i == len(bounds) - 1 else None,
+                run_backward=self._precision.backward,
             )
             if ddp is not None and i < len(bounds) - 1:
                 with ddp.no_sync():
@@ -353,7 +419,7 @@ class TrainContext:
                 }
             )
             return False
-        aborted = self._collectives is not None and self._collectives.aborted is not None
+        aborted = self._gradient_all_reduce is not None and self._gradient_all_reduce.aborted is not None
         if aborted or is_peer_failure(exc):
             # Keep the message, not the exception: its traceback would keep the old DDP alive.
             step.failed = f"{type(exc).__name__}: {exc}"
@@ -391,8 +457,13 @@ class TrainContext:
     def _checkpoint(self) -> None:
         """Snapshot to CPU (training waits only for this copy) and write the shard in the background."""
         started = time.perf_counter()
-        states = {name: state_of(obj) for name, obj in self._objects.items()}
-        snapshot = take_snapshot(states, {"step": self._step_index, "cursor": self._cursor.to_dict()})
+        if self._outer is not None:
+            # Only the state of the last sync is the same on every rank, and a run resumes there.
+            states, progress = self._backup.states()
+        else:
+            states = {name: state_of(obj) for name, obj in self._objects.items()}
+            progress = {"step": self._step_index, "cursor": self._cursor.to_dict()}
+        snapshot = take_snapshot(states, progress)
         crash = self.faults.crash_checkpoint(self.rank, self._step_index)
         self._wait_for_writer()  # one upload at a time: back-pressure, reported as progress
         self._writer.submit(snapshot, self.rank, self.world_size, time.perf_counter() - started,
@@ -425,7 +496,7 @@ class TrainContext:
             if timings is None:
                 continue  # aborted: a member died or left before everyone arrived
             self.mailbox.formed(spec.generation, {
-                "ok": True, "step": self._step_index, "steps_lost": lost, "reason": reason,
+                "ok": True, "step": self._step_index, "steps_lost": lost + self._rolled_back, "reason": reason,
                 "source_rank": self._last_sync.source_rank, **timings,
             })
             return
@@ -434,12 +505,13 @@ class TrainContext:
         # Nothing may keep the old group alive: see leave_group.
         self._flag = None
         if self._model is not None:
-            self._model.ddp = None
+            self._model.ddp, self._model.formed = None, False
         with self._group_lock:
             self._group = None
-        if self._collectives is not None:
-            self._collectives.abort(f"{PEER_ABORT_MARKER}: generation {self._collectives.generation} was left")
-            self._collectives = None
+        if self._gradient_all_reduce is not None:
+            self._gradient_all_reduce.abort(
+                f"{PEER_ABORT_MARKER}: generation {self._gradient_all_reduce.generation} was left")
+            self._gradient_all_reduce = None
         leave_group(self.spec.backend if self.spec else "gloo")
 
     def _form(self, spec: GenerationSpec, left: float) -> dict[str, float] | None:
@@ -462,7 +534,7 @@ class TrainContext:
         with self._group_lock:
             self._group = (spec.generation, dist.group.WORLD)
         abortable = spec.backend == "gloo" and spec.world_size >= ABORTABLE_FROM_WORLD_SIZE
-        self._collectives = Collectives(spec.generation, abortable)
+        self._gradient_all_reduce = GradientAllReduce(spec.generation, abortable)
         connected = time.perf_counter()
         if spec.restart:
             # No member holds live state: rank 0 restores the checkpoint (or everyone starts
@@ -471,19 +543,41 @@ class TrainContext:
             self._cursor = data_math.DataCursor(seed=self.data_config.seed)
             if spec.resume_from is not None and spec.rank == 0:
                 self._restore(spec.resume_from)
-        progress = {"step": self._step_index, "cursor": self._cursor.to_dict()}
         holds_state = self._holds_state and not spec.restart
+        self._rolled_back = self._roll_back_to_last_sync() if holds_state else 0
+        inner = self._optimizer.state_dict() if self._outer is not None and self._optimizer is not None else None
+        held_step = self._step_index
+        progress = {"step": self._step_index, "cursor": self._cursor.to_dict()}
         self._last_sync, progress = sync_state(self._objects, progress, self.device, holds_state)
         self._holds_state = True
         self._step_index = progress["step"]
         self._cursor = data_math.DataCursor(**progress["cursor"])
+        if self._outer is not None:
+            if inner is not None:
+                average_inner_state(self._optimizer, inner if holds_state and held_step == self._step_index else None)
+            self._backup.take(self._objects, progress)
         if self._model is not None:
             self._model.ddp = self._wrap(self._model.module)
+            self._model.formed = True
         # The hang check compares these across the members of one generation: count afresh.
         self._entered_sync = self._launched = 0
         done = time.perf_counter()
         return {"leave_s": started - left, "barrier_s": arrived - started, "connect_s": connected - arrived,
                 "sync_s": done - connected}
+
+    def _roll_back_to_last_sync(self) -> int:
+        """Under local SGD, go back to the last sync if this rank is past it; the steps undone.
+
+        Only there is the state the same on every rank: a heal in mid-interval replays the
+        interval's global batches over the new world (see `elastic.local_sgd`).
+        """
+        if self._outer is None or self._backup.step is None or self._backup.step == self._step_index:
+            return 0
+        progress = self._backup.restore(self._objects)
+        undone = self._step_index - progress["step"]
+        self._step_index = progress["step"]
+        self._cursor = data_math.DataCursor(**progress["cursor"])
+        return undone
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Load a durable checkpoint into this rank; the sync then spreads it to the others."""
@@ -506,11 +600,15 @@ class TrainContext:
         self._cursor = data_math.DataCursor(**state["progress"]["cursor"])
         self.checkpoint = checkpoint
 
-    def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
+    def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel | None:
+        if self._outer is not None:
+            return None  # local SGD: no gradient all-reduce
         ddp = DistributedDataParallel(
             module, device_ids=[self.device.index] if self.device.type == "cuda" else None, init_sync=False
         )
-        if self._collectives.abortable or self.faults.needs_comm_hook:
+        self._hooked = (self._gradient_all_reduce.abortable or self.faults.needs_comm_hook
+                        or self._compression.dtype is not None)
+        if self._hooked:
             ddp.register_comm_hook(self, _allreduce_hook)
         return ddp
 
@@ -518,10 +616,10 @@ class TrainContext:
         """Abort the collectives of a generation older than `newer_generation`, from the control
         thread: the train thread may wait in one of them for a dead peer. On NCCL that is the
         communicator of the group captured when it formed, so the one replacing it is never
-        hit; on gloo, the generation's gradient all-reduces (`Collectives`)."""
+        hit; on gloo, the generation's gradient all-reduces (`GradientAllReduce`)."""
         with self._group_lock:
             stale = self._group if self._group and self._group[0] < newer_generation else None
-        collectives = self._collectives
+        collectives = self._gradient_all_reduce
         if collectives is not None and collectives.generation < newer_generation:
             collectives.abort(f"{PEER_ABORT_MARKER}: the controller offered generation {newer_generation} "
                               f"in place of {collectives.generation}, which lost a member")
@@ -535,6 +633,8 @@ class TrainContext:
         reached), and the time is the rank's compute, free of waiting on slower peers.
         """
         self._entered_sync += 1
+        if not self._hooked and self._outer is None:
+            self._compression.bytes_sent += self._gradient_bytes  # DDP sends each gradient once
         if step.compute_s is None:
             step.compute_s = time.perf_counter() - step.started
 
@@ -571,15 +671,16 @@ class TrainContext:
 
 
 def _allreduce_hook(ctx, bucket):
-    """DDP's all-reduce, abortable on gloo (`Collectives`), with the faults that act inside it,
-    counting the buckets launched.
+    """DDP's all-reduce, abortable on gloo (`GradientAllReduce`), compressed by the run's
+    `GradientCompression`, with the faults that act inside it, counting the buckets launched.
 
-    Installed where the all-reduce must be abortable, and wherever such faults exist.
+    Installed where the all-reduce must be abortable or compressed, and wherever such faults
+    exist.
     Unannotated on purpose: DDP rejects a hook whose annotations are strings, which
     `from __future__ import annotations` would make them.
     """
     ctx.faults.at("allreduce", ctx.rank, ctx.step)
-    future = ctx._collectives.all_reduce(bucket.buffer().div_(dist.get_world_size()))
+    future = ctx._compression.all_reduce(bucket.buffer(), ctx._gradient_all_reduce.all_reduce)
     ctx._launched += 1
     return future
 

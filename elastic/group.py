@@ -13,7 +13,7 @@ first wins (`compare_set`), so every member learns the same outcome within milli
 nobody waits on a timeout, however long the others take to reach their switch step. Only
 after "go", when every member is known to be there, does `init_process_group` connect them.
 
-Leaving is prompt on every member alike: `Collectives` makes a generation's gradient
+Leaving is prompt on every member alike: `GradientAllReduce` makes a generation's gradient
 all-reduces abortable from another thread, which gloo itself cannot do.
 """
 
@@ -45,7 +45,7 @@ GO, ABORT = "go", "abort"
 PEER_ABORT_MARKER = "process group was aborted"
 # gloo fails the dead rank's two ring neighbours at once; only from four ranks on does a
 # survivor depend on others to learn of it, which pays for a Python comm hook (measured: 4-10%
-# of a 11 ms step of the benchmark's MLP at 2 ranks on 2 cores). See `Collectives`.
+# of a 11 ms step of the benchmark's MLP at 2 ranks on 2 cores). See `GradientAllReduce`.
 ABORTABLE_FROM_WORLD_SIZE = 4
 
 # Substrings of errors raised when a peer of a collective is gone. gloo raises plain
@@ -176,7 +176,7 @@ def form_group(spec: GenerationSpec, store: dist.TCPStore) -> None:
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=spec.collective_timeout_s))
 
 
-class Collectives:
+class GradientAllReduce:
     """The gradient all-reduces of one generation's group, which another thread can abort.
 
     When a peer dies, gloo fails at once only the ranks next to it in its ring; every other

@@ -63,6 +63,7 @@ class Protocol:
     scaling: ScalingConfig
     failure: FailureConfig
     max_steps: int
+    switch_every: int = 1  # planned switches land on multiples of this step (local SGD's interval)
     generation: int = -1  # the newest generation offered (restored from the journal on a restart)
     failures: int = 0
     state: ControllerState = field(default_factory=lambda: Waiting(0.0, float("inf"), "starting"))
@@ -170,7 +171,8 @@ class Protocol:
         if set(answers) < set(self.members):
             self.state = Preparing(state.formation, tuple(answers.items()))
             return []
-        switch = max(answers.values()) + PREPARE_SLACK_STEPS
+        earliest = max(answers.values()) + PREPARE_SLACK_STEPS
+        switch = -(-earliest // self.switch_every) * self.switch_every
         if switch >= self.max_steps:
             # Too close to the end to be worth a switch; the newcomers stay idle.
             return [Abort(state.formation.generation, self.members),

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import ray
 
 from elastic.checkpoint import Checkpoint
-from elastic.config import DataConfig, RunConfig, ScalingConfig, check_fits
+from elastic.config import DataConfig, RunConfig, ScalingConfig, Strategy, check_fits
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
 from elastic.events import read_events
 from elastic.faults import Fault, check_faults
@@ -57,6 +57,7 @@ class ElasticTrainer:
         run_config: RunConfig,
         data_config: DataConfig,
         train_loop_config: dict[str, Any] | None = None,
+        strategy: Strategy | None = None,
         faults: list[Fault] | None = None,
         resume_from: str | Checkpoint | None = None,
         address: str | None = None,
@@ -83,6 +84,7 @@ class ElasticTrainer:
         self.scaling_config = scaling_config
         self.run_config = run_config
         self.data_config = data_config
+        self.strategy = strategy or Strategy()
         self.address = address or os.environ.get("RAY_ADDRESS")
         self.show_progress = show_progress
 
@@ -99,7 +101,7 @@ class ElasticTrainer:
         from actors.controller import Controller, RunSpec
 
         spec = RunSpec(self.train_loop, self.train_loop_config, self.scaling_config, self.run_config,
-                       self.data_config, self.faults, resume_from)
+                       self.data_config, self.strategy, self.faults, resume_from)
         # The head node lives as long as the cluster does; worker nodes may be preempted.
         controller = Controller.options(
             resources={HEAD_NODE_RESOURCE: 0.001},

@@ -7,7 +7,7 @@ import pyarrow.fs as pafs
 import pytest
 from pydantic import ValidationError
 
-from elastic import DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, parse_fault
+from elastic import DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy, parse_fault
 from elastic.checkpoint import Checkpoint
 from elastic.config import check_fits
 from elastic.errors import ElasticError
@@ -245,3 +245,28 @@ def test_resuming_from_a_folder_that_is_not_a_checkpoint_fails_before_anything_s
     )
     with pytest.raises(CheckpointError, match="has no manifest.json: the checkpoint was never completed"):
         trainer.fit()
+
+
+@pytest.mark.parametrize("sync, problem", [
+    ("allreduce", r"sync 'allreduce' is not one of 'ddp', 'local_sgd:every=H'"),
+    ("local_sgd", r"sync 'local_sgd' needs every=H with H >= 1 steps between syncs, e.g. 'local_sgd:every=8'"),
+    ("local_sgd:every=0", r"needs every=H with H >= 1"),
+    ("diloco:every=x", r"sync 'diloco:every=x': every='x' is not an integer"),
+    ("diloco:every=8,lr=1", r"diloco takes no option 'lr'"),
+    ("diloco:every=8,outer_momentum=1", r"outer_lr must be > 0 and 0 <= outer_momentum < 1"),
+])
+def test_a_sync_spec_that_does_not_parse_is_rejected_naming_the_forms_it_takes(sync, problem):
+    with pytest.raises(ValidationError, match=problem):
+        Strategy(sync=sync)
+
+
+def test_techniques_that_do_not_combine_are_rejected_saying_why():
+    with pytest.raises(ValidationError, match=r"compression='fp16' acts on DDP's per-step gradient all-reduce, which "
+                       r"sync='local_sgd:every=4' does not do"):
+        Strategy(compression="fp16", sync="local_sgd:every=4")
+    with pytest.raises(ValidationError, match=r"precision='fp16' needs every rank to skip the same overflowing steps"):
+        Strategy(precision="fp16", sync="diloco:every=4")
+    with pytest.raises(ValidationError, match=r"precision\n  Input should be 'fp32', 'bf16' or 'fp16'"):
+        Strategy(precision="fp8")
+    assert Strategy(sync="diloco:every=8,outer_lr=0.5").sync_options == {
+        "kind": "diloco", "every": 8, "outer_lr": 0.5, "outer_momentum": 0.9}

@@ -221,6 +221,14 @@ def test_a_ready_newcomer_grows_the_run_at_the_switch_step_the_members_cannot_ha
     assert group.state == "RUNNING" and group.events("rescale")[-1]["to_size"] == 3
 
 
+def test_under_local_sgd_a_grow_switches_at_the_next_sync_boundary():
+    group = FakeWorkerGroup(min_workers=1, max_workers=3)
+    group.protocol.switch_every = 8
+    _grown_to_prepare(group)
+    group.answer_prepare({0: 40, 1: 41})
+    assert group.latest_offer.formation.switch_step == 48, "not the first multiple of 8 the members can reach"
+
+
 def test_a_member_death_while_preparing_a_grow_turns_it_into_a_heal_with_the_newcomer():
     group = _grown_to_prepare(FakeWorkerGroup(min_workers=1, max_workers=3))
     group.die(0)

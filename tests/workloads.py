@@ -3,8 +3,11 @@
 `regression_loop` trains a float64 MLP on a fixed regression set and keeps a per-sample ledger
 as synced state: each committed step all-reduces the count of every sample its ranks
 processed and adds it to the row of the step's epoch. At the first step of every generation
-it checks that all ranks hold bit-identical model, optimizer and ledger state, and raises if
-not, which fails the run.
+it checks that all ranks hold bit-identical synced state (model, optimizer, ledger and the
+technique's), and raises if not, which fails the run. With `check_collectives` it checks
+every collective of `ctx.collectives` against the answer it computes from the world size;
+with `inf_at=(rank, step)` that rank's loss is inf at that step, and it checks that every
+rank skipped the step (fp16 loss scaling).
 """
 
 from __future__ import annotations
@@ -23,16 +26,16 @@ GLOBAL_BATCH = 64
 STEPS_PER_EPOCH = NUM_SAMPLES // GLOBAL_BATCH
 
 
-def regression_data(num_samples: int = NUM_SAMPLES) -> torch.utils.data.TensorDataset:
+def regression_data(num_samples: int = NUM_SAMPLES, dtype: torch.dtype = torch.float64) -> torch.utils.data.TensorDataset:
     generator = torch.Generator().manual_seed(1234)
     x = torch.randn(num_samples, 16, generator=generator, dtype=torch.float64)
     y = torch.sin(x[:, :4].sum(1, keepdim=True)) + 0.1 * x[:, 4:5]
-    return torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.TensorDataset(x.to(dtype), y.to(dtype))
 
 
-def build_mlp(hidden: int = 32) -> torch.nn.Module:
+def build_mlp(hidden: int = 32, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)).double()
+    return torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)).to(dtype)
 
 
 def state_digest(*objects) -> str:
@@ -47,6 +50,8 @@ def state_digest(*objects) -> str:
 def _tensors(value):
     if isinstance(value, torch.Tensor):
         yield value
+    elif isinstance(value, (int, float)):
+        yield torch.tensor(float(value), dtype=torch.float64)
     elif isinstance(value, dict):
         for key in sorted(value, key=str):
             yield from _tensors(value[key])
@@ -57,33 +62,49 @@ def _tensors(value):
 
 def regression_loop(config: dict) -> dict:
     ctx = elastic.get_context()
-    dataset = regression_data(config.get("num_samples", NUM_SAMPLES))
-    model = ctx.prepare_model(build_mlp(config.get("hidden", 32)))
-    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    dtype = getattr(torch, config.get("dtype", "float64"))
+    dataset = regression_data(config.get("num_samples", NUM_SAMPLES), dtype)
+    model = ctx.prepare_model(build_mlp(config.get("hidden", 32), dtype))
+    optimizer = ctx.prepare_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=config.get("momentum", 0.9)))
     epochs = -(-config["max_steps"] // STEPS_PER_EPOCH)
     ledger = torch.zeros(epochs, NUM_SAMPLES, dtype=torch.float64)
     ctx.register_state("ledger", ledger)
     checked: list[int] = []
+    collectives_checked: set[int] = set()
+    skipped: list[int] = []
     for step in ctx.steps(dataset):
         with step:
+            if config.get("check_collectives"):
+                collectives_checked.add(check_collectives(ctx.collectives, ctx.rank))
             if not checked or checked[-1] != ctx.generation:
                 digests = [None] * ctx.world_size
-                dist.all_gather_object(digests, state_digest(model.module, optimizer, ledger))
+                dist.all_gather_object(digests, state_digest(*ctx.synced_state().values()))
                 if len(set(digests)) != 1:
                     raise AssertionError(f"ranks differ after generation {ctx.generation} formed: {digests}")
                 checked.append(ctx.generation)
             time.sleep(config.get("compute_s", 0.0))  # a slow step's compute, inside the step
             if step.index == config.get("mismatch_at"):
                 dist.all_reduce(torch.ones(1 + ctx.rank))  # a user bug: shapes differ across ranks
+            overflow = tuple(config.get("inf_at", ())) == (ctx.rank, step.index)
+            before = [p.detach().clone() for p in model.parameters()]
             counts = torch.zeros(NUM_SAMPLES, dtype=torch.float64)
             for mb in step.micro_batches():
                 x, y = mb.data
                 counts[mb.indices] += 1
                 loss = torch.nn.functional.mse_loss(model(x), y)
-                mb.backward(loss)
+                mb.backward(loss * float("inf") if overflow else loss)
             dist.all_reduce(counts)
             optimizer.step()
             optimizer.zero_grad()
+            unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+            if config.get("inf_at") and unchanged:
+                skipped.append(step.index)
+            if config.get("inf_at") and step.index == config["inf_at"][1]:
+                agreed = [None] * ctx.world_size
+                dist.all_gather_object(agreed, unchanged)
+                if agreed != [True] * ctx.world_size:
+                    raise AssertionError(f"step {step.index} with an inf loss was skipped by ranks {agreed} only")
             ledger[step.cursor.epoch] += counts
         bad_rank, bad_step = config.get("raise_from", (-1, 0))
         if ctx.rank == bad_rank and step.index >= bad_step:
@@ -93,9 +114,41 @@ def regression_loop(config: dict) -> dict:
         gate_step, gate_file = config.get("gate", (-1, ""))
         while step.index == gate_step and not os.path.exists(gate_file):
             time.sleep(0.01)  # held until the test opens the gate: a state of the run it waits for
+    with torch.no_grad():
+        x, y = dataset.tensors
+        final_loss = torch.nn.functional.mse_loss(model.module(x), y).item()
     return {
         "params": {k: v.clone() for k, v in model.module.state_dict().items()},
         "ledger": ledger.clone(),
         "checked": checked,
         "pid": os.getpid(),
+        "final_loss": final_loss,
+        "comm_bytes": ctx.communication["gradient_bytes"],
+        "outer_syncs": ctx.communication["outer_syncs"],
+        "collectives_checked": sorted(collectives_checked),
+        "skipped": skipped,
     }
+
+
+def check_collectives(collectives, rank: int) -> int:
+    """Call every collective and compare its answer with the one computed from the world size;
+    raises AssertionError on a wrong answer. Returns the world size."""
+    world = collectives.world_size
+    ranks = torch.arange(world, dtype=torch.float64)
+    answers = {
+        "all_reduce sum": (collectives.all_reduce(torch.tensor([rank + 1.0])), (ranks + 1).sum()),
+        "all_reduce mean": (collectives.all_reduce(torch.tensor([rank + 1.0]), op="mean"), (ranks + 1).mean()),
+        "all_reduce max": (collectives.all_reduce(torch.tensor([float(rank)]), op="max"), ranks.max()),
+        "sample_mean": (collectives.sample_mean(torch.tensor([float(rank)], dtype=torch.float64), samples=rank + 1),
+                        (ranks * (ranks + 1)).sum() / (ranks + 1).sum()),
+        "all_gather": (torch.cat(collectives.all_gather(torch.tensor([float(rank)]))), ranks),
+        "broadcast": (collectives.broadcast(torch.tensor([float(rank)]), src=world - 1), ranks[-1]),
+        "reduce_scatter": (collectives.reduce_scatter(torch.arange(2.0 * world)),
+                           world * torch.arange(2.0 * world)[2 * rank: 2 * rank + 2]),
+        "all_to_all": (torch.cat(collectives.all_to_all([torch.tensor([10.0 * rank + i]) for i in range(world)])),
+                       10.0 * ranks + rank),
+    }
+    for name, (got, expected) in answers.items():
+        if not torch.allclose(got.double(), torch.as_tensor(expected, dtype=torch.float64)):
+            raise AssertionError(f"{name} at world size {world} on rank {rank}: {got.tolist()}, not {expected}")
+    return world

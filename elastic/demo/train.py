@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import elastic
-from elastic.config import CheckpointConfig, DataConfig, RunConfig, ScalingConfig, check_fits
+from elastic.config import CheckpointConfig, DataConfig, RunConfig, ScalingConfig, Strategy, check_fits
 from elastic.demo.corpus import DEFAULT_MAX_BYTES, DEFAULT_SEQ_LEN, VOCAB_SIZE, prepare_corpus
 from elastic.demo.model import ModelConfig, TinyLM
 from elastic.events import events_of
@@ -51,6 +51,7 @@ class DemoConfig(BaseModel):
     seed: int = Field(0, description="Seed of the model's initial weights and of the data order.")
     checkpoint_every: int = Field(50, gt=0, description="Steps between durable checkpoints (one is also written at the end).")
     faults: list[Fault] = Field(default_factory=list, description="Faults to inject (see elastic.faults).")
+    strategy: Strategy = Field(default_factory=Strategy, description="Precision, compression and sync (docs/techniques.md).")
 
     @model_validator(mode="after")
     def _check(self) -> "DemoConfig":
@@ -113,6 +114,7 @@ def run_demo(config: DemoConfig, show_progress: bool = True) -> dict[str, Any]:
         scaling_config=config.scaling_config(),
         run_config=config.run_config(),
         data_config=config.data_config(),
+        strategy=config.strategy,
         faults=config.faults,
         address=config.address,
         show_progress=show_progress,

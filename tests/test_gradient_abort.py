@@ -1,7 +1,7 @@
 """An all-reduce that waits for a silent peer is freed by an abort from another thread (no Ray).
 
 gloo cannot abort an operation: a rank waiting for a peer learns of its loss only when a ring
-neighbour drops the group. `Collectives` fails the future DDP waits on instead, and
+neighbour drops the group. `GradientAllReduce` fails the future DDP waits on instead, and
 `leave_group` lets go of the group without joining gloo's blocked thread.
 
 The group's timeout is an hour and the silent rank stays until the others have left: without
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic.group import PEER_ABORT_MARKER, Collectives, is_peer_failure, leave_group
+from elastic.group import PEER_ABORT_MARKER, GradientAllReduce, is_peer_failure, leave_group
 
 pytestmark = pytest.mark.timeout(120)
 WORLD_SIZE = 3
@@ -28,7 +28,7 @@ def _member(rank, port, results):
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=rank, world_size=WORLD_SIZE,
                             timeout=timedelta(hours=1))
-    collectives = Collectives(generation=0, abortable=True)
+    collectives = GradientAllReduce(generation=0, abortable=True)
     collectives.all_reduce(torch.ones(4)).wait()  # every rank takes part once
     if rank == SILENT_RANK:
         store.wait(["left/0", "left/1"])  # alive, but never joins the second all-reduce

@@ -1,0 +1,149 @@
+"""Local SGD and DiLoCo: ranks step alone and meet every H steps; rescales happen only there.
+
+Between syncs each rank trains on its own share of every global batch with the user's
+optimizer (the inner one) and sends nothing. Every H committed steps the ranks sync:
+
+- local SGD averages the parameters;
+- DiLoCo all-reduces the pseudo-gradient (the parameters of the last sync minus each rank's
+  own, averaged) and an outer Nesterov SGD steps the last-sync parameters with it; every
+  rank then starts the next interval from them.
+
+With H=1 (and DiLoCo's outer SGD at lr 1 without momentum) both are DDP: each rank's
+gradient is weighted so that their average is the global batch's (`data.gradient_weight`).
+
+The elastic rule. Only at a sync are the ranks' parameters identical and everything else
+(the outer optimizer, its last-sync parameters, registered state, the data cursor)
+replicated, so the controller aligns every planned switch to a multiple of H. A death in
+mid-interval cannot wait: every rank rolls back to what it held at the last sync (the
+`Backup` taken there) and the interval's global batches are replayed over the new world, so
+each sample still counts once, at interval granularity. The heal then syncs as always.
+
+The inner optimizer's state is each rank's own. At every new generation it is replaced by
+its average over the ranks that held it at the synced step, newcomers included in receiving
+it: exact for optimizers linear in their state (SGD with momentum) on a planned rescale, an
+approximation after a death (the survivors' average) and for Adam.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.flat_state import flatten, unflatten
+from elastic.state_sync import load_into, state_of
+
+
+class OuterSync:
+    """The periodic sync of one run on one worker; registered with the run as replicated state."""
+
+    def __init__(self, options: dict[str, Any], model: torch.nn.Module) -> None:
+        self.kind = options["kind"]
+        self.every = options["every"]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.syncs = 0  # all-reduces done, for the communication figures
+        self.outer: torch.optim.Optimizer | None = None
+        self.anchor: list[torch.Tensor] = []
+        if self.kind == "diloco":
+            self.anchor = [p.detach().clone() for p in self.params]
+            momentum = options["outer_momentum"]
+            self.outer = torch.optim.SGD(self.anchor, lr=options["outer_lr"], momentum=momentum,
+                                         nesterov=momentum > 0)
+
+    def due(self, step: int) -> bool:
+        """Whether committed step `step` ends an interval."""
+        return step % self.every == 0
+
+    def sync(self) -> None:
+        """The interval's collective: average the parameters, or DiLoCo's outer step."""
+        world_size = dist.get_world_size()
+        with torch.no_grad():
+            if self.outer is None:
+                flat = torch.cat([p.reshape(-1) for p in self.params])
+                dist.all_reduce(flat)
+                flat.div_(world_size)
+                self._unflatten_into(flat, self.params)
+            else:
+                flat = torch.cat([(a - p).reshape(-1) for a, p in zip(self.anchor, self.params)])
+                dist.all_reduce(flat)
+                flat.div_(world_size)
+                for anchor, grad in zip(self.anchor, self._split(flat)):
+                    anchor.grad = grad
+                self.outer.step()
+                self.outer.zero_grad(set_to_none=True)
+                for param, anchor in zip(self.params, self.anchor):
+                    param.copy_(anchor)
+        self.syncs += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.outer is None:
+            return {}
+        return {"anchor": [a.detach() for a in self.anchor], "outer": self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.outer is None:
+            return
+        with torch.no_grad():
+            for anchor, value in zip(self.anchor, state["anchor"]):
+                anchor.copy_(value)
+        self.outer.load_state_dict(state["outer"])
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [part.view_as(p) for part, p in zip(flat.split([p.numel() for p in self.params]), self.params)]
+
+    def _unflatten_into(self, flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        for tensor, part in zip(tensors, self._split(flat)):
+            tensor.copy_(part)
+
+
+class Backup:
+    """Copies of every registered object and the progress at the last sync, to roll back to."""
+
+    def __init__(self) -> None:
+        self._copy: tuple[Any, dict[str, torch.Tensor]] | None = None
+
+    def take(self, objects: dict[str, Any], progress: dict[str, Any]) -> None:
+        payload = {"progress": progress, "state": {name: state_of(obj) for name, obj in objects.items()}}
+        structure, buffers = flatten(payload, torch.device("cpu"))
+        self._copy = (structure, buffers)
+
+    @property
+    def step(self) -> int | None:
+        return None if self._copy is None else self._copy[0]["progress"]["step"]
+
+    def states(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the objects' states, the progress) as of the last sync, as new tensors."""
+        payload = unflatten(*self._copy)
+        return payload["state"], payload["progress"]
+
+    def restore(self, objects: dict[str, Any]) -> dict[str, Any]:
+        """Put every object back as it was at the last sync; returns that sync's progress."""
+        states, progress = self.states()
+        for name, obj in objects.items():
+            load_into(obj, states[name])
+        return progress
+
+
+def average_inner_state(optimizer: torch.optim.Optimizer, captured: dict[str, Any] | None) -> None:
+    """Replace `optimizer`'s state by the average of the ranks' `captured` states (theirs before
+    this generation's sync; None for a rank that held none at the synced step)."""
+    current = optimizer.state_dict()
+    structure, buffers = flatten(current["state"], torch.device("cpu"))
+    if not buffers:
+        return
+    mine = flatten(captured["state"], torch.device("cpu"))[1] if captured is not None else None
+    if mine is not None and {k: v.numel() for k, v in mine.items()} != {k: v.numel() for k, v in buffers.items()}:
+        mine = None  # a state of another shape (another optimizer's first steps): not comparable
+    holders = torch.tensor([float(mine is not None)], dtype=torch.float64)
+    dist.all_reduce(holders)
+    if holders.item() == 0:
+        return
+    for dtype, buffer in buffers.items():
+        if not buffer.is_floating_point():
+            continue  # step counts: replicated, as synced
+        contribution = mine[dtype] if mine is not None else torch.zeros_like(buffer)
+        dist.all_reduce(contribution)
+        buffer.copy_(contribution.div_(holders.item()))
+    optimizer.load_state_dict({**current, "state": unflatten(structure, buffers)})
+

@@ -1,0 +1,88 @@
+"""Mixed precision: the prepared model's forward under autocast, and fp16's loss scaling.
+
+bf16 keeps fp32's exponent range, so autocast is all it needs. fp16 does not: small
+gradients underflow, so the loss is multiplied by a scale before the backward and the
+gradients divided by it before the optimizer steps (`torch.amp.GradScaler`). A step whose
+gradients overflowed is skipped and the scale halved. Under DDP every rank unscales the same
+all-reduced gradients, so every rank finds the same overflow and skips the same steps; the
+scaler's state (scale, growth tracker) is registered with the run, so a heal or a grow hands
+it to newcomers with the model and a checkpoint keeps it.
+
+The forward's floating outputs are cast back to fp32, as Ray Train's `accelerate(amp=True)`
+does, so a loss computed outside autocast works unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """One run's precision on one worker: autocast for the forward, loss scaling for fp16."""
+
+    def __init__(self, mode: str, device: torch.device) -> None:
+        self.mode = mode
+        self.device = device
+        self.dtype = DTYPES.get(mode)
+        self.scaler = torch.amp.GradScaler(device.type) if mode == "fp16" else None
+        self._stepping = False
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """Autocast to the run's dtype (nothing under fp32)."""
+        if self.dtype is None:
+            yield
+            return
+        with torch.autocast(self.device.type, dtype=self.dtype):
+            yield
+
+    def forward(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`call(*args, **kwargs)` under autocast, its floating outputs back in fp32."""
+        if self.dtype is None:
+            return call(*args, **kwargs)
+        with self.autocast():
+            out = call(*args, **kwargs)
+        return _to_fp32(out)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def wrap_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer.step()` unscale, skip on overflow and update the scale (fp16 only).
+
+        GradScaler.step calls `optimizer.step` itself, which is this wrapper again: the inner
+        call goes straight to the optimizer's own step.
+        """
+        if self.scaler is None:
+            return
+        own_step = optimizer.step
+
+        @functools.wraps(own_step)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if self._stepping:
+                return own_step(*args, **kwargs)
+            self._stepping = True
+            try:
+                value = self.scaler.step(optimizer, *args, **kwargs)
+                self.scaler.update()
+                return value
+            finally:
+                self._stepping = False
+
+        optimizer.step = step
+
+
+def _to_fp32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in (torch.bfloat16, torch.float16) else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_fp32(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_fp32(v) for k, v in value.items()}
+    return value

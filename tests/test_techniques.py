@@ -1,0 +1,161 @@
+"""The techniques of `Strategy`, each carried through heals and grows in place.
+
+Equivalences use float64 and Tanh (`regression_loop`), which checks at the first step of
+every generation that all ranks hold bit-identical model, optimizer, ledger and technique
+state. Mixed precision and compression need float32 (autocast leaves float64 alone).
+"""
+
+import concurrent.futures
+import time
+
+import pytest
+import ray
+
+from elastic import DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy
+from elastic.events import read_events
+from elastic.storage import RunStorage
+from workloads import GLOBAL_BATCH, NUM_SAMPLES, regression_loop
+
+pytestmark = pytest.mark.timeout(240)
+MAX_STEPS = 24
+
+
+def _fit(tmp_path, name, scaling, strategy=Strategy(), faults=(), max_steps=MAX_STEPS, **loop_config):
+    """A run of `regression_loop`; its Result."""
+    return ElasticTrainer(
+        regression_loop,
+        train_loop_config={"max_steps": max_steps, **loop_config},
+        scaling_config=scaling,
+        run_config=RunConfig(name=name, storage_path=str(tmp_path)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=max_steps),
+        strategy=strategy,
+        faults=list(faults),
+        show_progress=False,
+    ).fit()
+
+
+def _fit_held(tmp_path, name, gate_step, until, **fit_args):
+    """`_fit` with training held before step `gate_step` until `until(events)` holds, so a test
+    can wait for a state of the run (a worker started) instead of racing it."""
+    gate = tmp_path / f"{name}-gate"
+    run = concurrent.futures.ThreadPoolExecutor(1).submit(_fit, tmp_path, name, gate=(gate_step, str(gate)), **fit_args)
+    storage = RunStorage(str(tmp_path), name)
+    while not run.done() and not until(read_events(storage)):
+        time.sleep(0.05)
+    gate.touch()
+    return run.result()
+
+
+def _started(count):
+    return lambda events: len([e for e in events if e["type"] == "worker_started"]) >= count
+
+
+def _max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _assert_exactly_once(ledger, steps):
+    consumed = steps * GLOBAL_BATCH
+    for epoch in range(ledger.shape[0]):
+        in_epoch = min(NUM_SAMPLES, max(0, consumed - epoch * NUM_SAMPLES))
+        assert ledger[epoch].sum().item() == in_epoch, f"epoch {epoch}: not every sample counted once"
+        assert set(ledger[epoch].unique().tolist()) <= {0.0, 1.0}, f"epoch {epoch}: a sample counted twice"
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(local_ray, tmp_path_factory):
+    """A fault-free fp32 DDP run at 2 workers, and one without momentum."""
+    path = tmp_path_factory.mktemp("reference")
+    two = ScalingConfig(min_workers=2, max_workers=2)
+    return {
+        "momentum": _fit(path, "ddp", two).value,
+        "plain": _fit(path, "ddp-plain", two, momentum=0.0).value,
+        "float32": _fit(path, "ddp-f32", two, dtype="float32").value,
+    }
+
+
+@pytest.mark.parametrize("sync", ["local_sgd:every=1", "diloco:every=1,outer_lr=1,outer_momentum=0"])
+def test_local_sgd_and_diloco_with_one_step_intervals_equal_ddp_through_a_grow(local_ray, tmp_path, ddp_reference,
+                                                                                sync):
+    # Another actor holds the CPUs a third worker needs, so the run starts at 2; once it
+    # formed, that actor goes and the third worker joins in a planned grow, where averaging
+    # the inner momentum over the old ranks stays exact.
+    @ray.remote(num_cpus=2)
+    class Hog:
+        def ready(self):
+            return True
+
+    hog = Hog.remote()
+    ray.get(hog.ready.remote())
+
+    def formed_then_freed(events):
+        if any(e["type"] == "generation_formed" for e in events):
+            ray.kill(hog)
+            return _started(3)(events)
+        return False
+
+    result = _fit_held(tmp_path, "h1", 4, formed_then_freed, scaling=ScalingConfig(min_workers=2, max_workers=3),
+                       strategy=Strategy(sync=sync))
+    assert [(e["kind"], e["world_size"]) for e in result.events_of("generation_formed")] == [("start", 2), ("grow", 3)]
+    assert _max_diff(result.value["params"], ddp_reference["momentum"]["params"]) < 1e-9
+    _assert_exactly_once(result.value["ledger"], MAX_STEPS)
+
+
+def test_local_sgd_heals_a_death_by_rolling_back_to_its_last_sync(local_ray, tmp_path, ddp_reference):
+    # Without momentum the inner optimizer has no state, so even the heal is exact.
+    result = _fit(tmp_path, "h1-kill", ScalingConfig(min_workers=1, max_workers=2), Strategy(sync="local_sgd:every=1"),
+                  faults=[Fault(kind="kill", rank=1, step=9)], momentum=0.0)
+    assert result.events_of("recovery"), "no heal"
+    assert _max_diff(result.value["params"], ddp_reference["plain"]["params"]) < 1e-9
+    _assert_exactly_once(result.value["ledger"], MAX_STEPS)
+
+
+def test_diloco_rolls_a_mid_interval_death_back_and_replays_the_interval_exactly_once(local_ray, tmp_path):
+    # Held at step 14 until the replacement started, so it joins in a grow before the end.
+    result = _fit_held(tmp_path, "diloco-kill", 14, _started(3), scaling=ScalingConfig(min_workers=1, max_workers=2),
+                       strategy=Strategy(sync="diloco:every=8"), faults=[Fault(kind="kill", rank=1, step=13)],
+                       max_steps=32)
+    [recovery] = result.events_of("recovery")
+    assert recovery["steps_lost"] >= 13 - 8, "the interval since the sync at step 8 was not rolled back"
+    # regression_loop checked at each generation that every rank holds the same model, inner
+    # and outer optimizer state and ledger; the ledger counts each sample exactly once.
+    _assert_exactly_once(result.value["ledger"], 32)
+    grows = [e for e in result.events_of("generation_formed") if e["kind"] == "grow"]
+    assert grows and all(e["step"] % 8 == 0 for e in grows), f"no grow, or one off a sync boundary: {grows}"
+
+
+@pytest.mark.parametrize("strategy", [Strategy(precision="bf16"), Strategy(precision="fp16"),
+                                      Strategy(compression="fp16"), Strategy(compression="bf16")],
+                         ids=["bf16", "fp16", "compress-fp16", "compress-bf16"])
+def test_reduced_precision_ends_within_one_percent_of_fp32_through_a_heal(local_ray, tmp_path, ddp_reference,
+                                                                          strategy):
+    result = _fit(tmp_path, "precision", ScalingConfig(min_workers=1, max_workers=2), strategy,
+                  faults=[Fault(kind="kill", rank=1, step=10, where="allreduce")], dtype="float32")
+    assert result.events_of("recovery"), "no heal"
+    reference = ddp_reference["float32"]["final_loss"]
+    assert abs(result.value["final_loss"] - reference) <= 0.01 * reference
+    if strategy.compression != "none":
+        assert result.value["comm_bytes"] > 0
+
+
+def test_an_fp16_overflow_skips_the_step_on_every_rank_and_the_scaler_stays_shared_through_a_heal(local_ray, tmp_path):
+    # Rank 1's loss is inf at step 6: DDP spreads the inf to every rank's gradient, every
+    # rank skips that step and halves its scale (the loop checks both and raises otherwise).
+    result = _fit(tmp_path, "overflow", ScalingConfig(min_workers=1, max_workers=2), Strategy(precision="fp16"),
+                  faults=[Fault(kind="kill", rank=1, step=12)], dtype="float32", inf_at=(1, 6))
+    assert 6 in result.value["skipped"]
+    assert result.events_of("recovery"), "no heal"
+
+
+def test_collectives_give_the_same_answers_at_world_sizes_1_2_and_3_and_a_death_inside_one_heals(local_ray, tmp_path):
+    # The loop checks every collective's result at every step against what it computes
+    # locally from the world size. At 3, rank 2 dies at the start of step 6 while its peers
+    # wait in that step's first collective; they heal when its replacement is ready.
+    checked = set()
+    for size in (1, 2):
+        fixed = ScalingConfig(min_workers=size, max_workers=size)
+        checked |= set(_fit(tmp_path, f"collectives-{size}", fixed, check_collectives=True).value["collectives_checked"])
+    result = _fit(tmp_path, "collectives-3", ScalingConfig(min_workers=3, max_workers=3),
+                  faults=[Fault(kind="kill", rank=2, step=6)], check_collectives=True)
+    assert result.events_of("recovery"), "no heal"
+    assert checked | set(result.value["collectives_checked"]) == {1, 2, 3}
