@@ -266,9 +266,11 @@ class TrainContext:
 
     @property
     def communication(self) -> dict[str, int]:
-        """What this rank sent for the technique's sync so far: gradient bytes handed to DDP's
-        all-reduce (after compression), and local SGD's outer syncs."""
-        return {"gradient_bytes": self._compression.bytes_sent, "outer_syncs": self._outer.syncs if self._outer else 0}
+        """What this rank sent to keep the replicas in step so far: `sync_bytes` handed to DDP's
+        gradient all-reduce (after compression) or to local SGD's syncs, and `outer_syncs`."""
+        outer = self._outer
+        return {"sync_bytes": self._compression.bytes_sent + (outer.bytes_sent if outer else 0),
+                "outer_syncs": outer.syncs if outer else 0}
 
     def synced_state(self) -> dict[str, Any]:
         """The state of everything a heal or a grow syncs (model, optimizer, registered state,

@@ -42,7 +42,8 @@ class OuterSync:
         self.kind = options["kind"]
         self.every = options["every"]
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.syncs = 0  # all-reduces done, for the communication figures
+        self.syncs = 0  # all-reduces done, and the bytes this rank handed to them
+        self.bytes_sent = 0
         self.outer: torch.optim.Optimizer | None = None
         self.anchor: list[torch.Tensor] = []
         if self.kind == "diloco":
@@ -61,11 +62,13 @@ class OuterSync:
         with torch.no_grad():
             if self.outer is None:
                 flat = torch.cat([p.reshape(-1) for p in self.params])
+                self.bytes_sent += flat.numel() * flat.element_size()
                 dist.all_reduce(flat)
                 flat.div_(world_size)
                 self._unflatten_into(flat, self.params)
             else:
                 flat = torch.cat([(a - p).reshape(-1) for a, p in zip(self.anchor, self.params)])
+                self.bytes_sent += flat.numel() * flat.element_size()
                 dist.all_reduce(flat)
                 flat.div_(world_size)
                 for anchor, grad in zip(self.anchor, self._split(flat)):

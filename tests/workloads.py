@@ -123,7 +123,7 @@ def regression_loop(config: dict) -> dict:
         "checked": checked,
         "pid": os.getpid(),
         "final_loss": final_loss,
-        "comm_bytes": ctx.communication["gradient_bytes"],
+        "comm_bytes": ctx.communication["sync_bytes"],
         "outer_syncs": ctx.communication["outer_syncs"],
         "collectives_checked": sorted(collectives_checked),
         "skipped": skipped,

@@ -1,0 +1,132 @@
+"""What each technique of `Strategy` costs and saves, against fp32 DDP in the same command.
+
+    .venv/bin/python -m benchmarks.techniques            # 3 rounds, about 4 minutes
+    .venv/bin/python -m benchmarks.techniques --quick    # 1 round
+    .venv/bin/python -m benchmarks.techniques --quick --out /tmp/techniques.json
+
+Run it from the repository root. Every variant trains the benchmark's workload
+(benchmarks/workload.py: an MLP 256 -> 1024 -> 1024 -> 10, a global batch of 128) through
+ElasticTrainer on 2 CPU workers of one local Ray instance, for STEPS steps without faults.
+Each round runs every variant once, in turn, so the ratios compare runs made minutes apart.
+Figures, per variant, each a median over the rounds with min, median and max under
+`spread.<key>`:
+
+- techniques.step_ratio_vs_ddp.<variant>: the median steady step time (rank 0's gaps between
+  committed steps past WARMUP_STEPS) over fp32 DDP's in the same round;
+- techniques.comm_bytes_per_step_ratio.<variant>: bytes each rank handed to the collectives
+  that keep the replicas in step (`ctx.communication["sync_bytes"]`, counted in the gradient
+  hook, or DDP's gradient bytes without one, or local SGD's syncs) per step, over fp32 DDP's.
+
+The workload's labels are random, so its loss says nothing about a technique's accuracy; the
+tests compare losses on a regression task instead (tests/test_techniques.py).
+
+The keys are merged into benchmarks/results/bench.json (or --out), keeping the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import ray
+import torch
+
+import elastic
+from benchmarks import workload
+from benchmarks.bench import DEFAULT_OUT, REPO_ROOT, merge_figures
+
+STEPS = 120
+QUICK_STEPS = 64  # multiples of the local SGD variants' H, so every interval ends in a sync
+VARIANTS = {
+    "ddp_fp32": elastic.Strategy(),
+    "bf16": elastic.Strategy(precision="bf16"),
+    "fp16": elastic.Strategy(precision="fp16"),
+    "compress_fp16": elastic.Strategy(compression="fp16"),
+    "compress_bf16": elastic.Strategy(compression="bf16"),
+    "local_sgd_h8": elastic.Strategy(sync="local_sgd:every=8"),
+    "diloco_h8": elastic.Strategy(sync="diloco:every=8"),
+}
+BASELINE = "ddp_fp32"
+DEFINITIONS = {
+    "techniques.step_ratio_vs_ddp": "median steady step time of the variant over fp32 DDP's, same round, 2 CPU workers",
+    "techniques.comm_bytes_per_step_ratio": "bytes per step a rank hands to the replicas' sync collectives, over fp32 DDP's",
+}
+
+
+def train_loop(config: dict[str, Any]) -> dict[str, Any]:
+    ctx = elastic.get_context()
+    dataset = workload.make_dataset()
+    model = ctx.prepare_model(workload.make_model())
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=workload.LR))
+    stamps = []
+    for step in ctx.steps(dataset):
+        with step:
+            for mb in step.micro_batches():
+                inputs, labels = mb.data
+                mb.backward(workload.loss_fn(model(inputs), labels))
+            optimizer.step()
+            optimizer.zero_grad()
+        if step.committed:
+            stamps.append(workload.stamp(step.index, ctx.generation, ctx.world_size, time.perf_counter()))
+    gaps = workload.steady_gaps(stamps)
+    return {"step_s": statistics.median(gaps) if gaps else None,
+            "sync_bytes_per_step": ctx.communication["sync_bytes"] / max(1, ctx.step)}
+
+
+def run_variant(strategy: elastic.Strategy, steps: int, storage: str) -> dict[str, Any]:
+    result = elastic.ElasticTrainer(
+        train_loop,
+        scaling_config=elastic.ScalingConfig(min_workers=workload.WORLD_SIZE, max_workers=workload.WORLD_SIZE),
+        run_config=elastic.RunConfig(name=f"techniques-{time.monotonic_ns()}", storage_path=storage),
+        data_config=elastic.DataConfig(global_batch_size=workload.GLOBAL_BATCH, micro_batch_size=workload.MICRO_BATCH,
+                                       max_steps=steps),
+        strategy=strategy,
+        show_progress=False,
+    ).fit()
+    return result.value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"one round of {QUICK_STEPS} steps")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    rounds, steps = (1, QUICK_STEPS) if args.quick else (args.rounds, STEPS)
+    started = time.time()
+    ray.init(address="local", num_cpus=workload.WORLD_SIZE, include_dashboard=False, log_to_driver=False)
+    figures: dict[str, list[float | None]] = {}
+    with tempfile.TemporaryDirectory(prefix="elastic-techniques-") as storage:
+        # Workers cannot import `benchmarks`: ship the train loop and the workload by value.
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        ray.cloudpickle.register_pickle_by_value(workload)
+        for round_index in range(rounds):
+            outcomes = {name: run_variant(strategy, steps, storage) for name, strategy in VARIANTS.items()}
+            base = outcomes[BASELINE]
+            for name, outcome in outcomes.items():
+                figures.setdefault(f"techniques.step_ratio_vs_ddp.{name}", []).append(
+                    outcome["step_s"] / base["step_s"] if outcome["step_s"] and base["step_s"] else None)
+                figures.setdefault(f"techniques.comm_bytes_per_step_ratio.{name}", []).append(
+                    outcome["sync_bytes_per_step"] / base["sync_bytes_per_step"])
+            print(f"round {round_index + 1}/{rounds}: " + ", ".join(
+                f"{n} {o['step_s'] * 1e3:.1f} ms" for n, o in outcomes.items() if o["step_s"]), flush=True)
+    ray.shutdown()
+    command = shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", "benchmarks.techniques",
+                          *(argv if argv is not None else sys.argv[1:])])
+    details = {"techniques_setup": {"steps": steps, "rounds": rounds, "world_size": workload.WORLD_SIZE,
+                                    "variants": {name: s.model_dump() for name, s in VARIANTS.items()}}}
+    merge_figures(args.out, figures, details, DEFINITIONS, command, time.time() - started)
+    for key, values in sorted(figures.items()):
+        present = [v for v in values if v is not None]
+        print(f"{key:55s} {statistics.median(present):.4g}" if present else f"{key:55s} -")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
