@@ -49,6 +49,7 @@ VARIANTS = {
     "fp16": elastic.Strategy(precision="fp16"),
     "compress_fp16": elastic.Strategy(compression="fp16"),
     "compress_bf16": elastic.Strategy(compression="bf16"),
+    "powersgd_r4": elastic.Strategy(compression="powersgd:rank=4,start_iter=2"),
     "local_sgd_h8": elastic.Strategy(sync="local_sgd:every=8"),
     "diloco_h8": elastic.Strategy(sync="diloco:every=8"),
 }

@@ -85,8 +85,9 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     strategy = defaults.strategy
     demo.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=strategy.precision,
                       help="autocast the forward; fp16 also scales the loss (default: %(default)s)")
-    demo.add_argument("--compression", choices=["none", "fp16", "bf16"], default=strategy.compression,
-                      help="dtype of DDP's gradient all-reduce (default: %(default)s)")
+    demo.add_argument("--compression", default=strategy.compression, metavar="SPEC",
+                      help="none, fp16, bf16 (the gradient all-reduce's dtype) or powersgd:rank=R[,start_iter=N] "
+                      "(default: %(default)s)")
     demo.add_argument("--sync", default=strategy.sync, metavar="SPEC",
                       help="ddp, local_sgd:every=H or diloco:every=H[,outer_lr=X][,outer_momentum=X] "
                       "(default: %(default)s)")

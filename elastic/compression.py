@@ -4,7 +4,8 @@ torch's `fp16_compress_hook` does the same for fp16, but DDP refuses the stock
 `bf16_compress_hook` off CUDA by its name, so both are ours: each bucket is cast down, divided
 by the world size (before the sum, so fp16 does not overflow), all-reduced, and cast back
 into the bucket. Nothing is kept between steps, so a heal or a grow has no compression state
-to carry; the hook is registered on every generation's DDP.
+to carry; the hook is registered on every generation's DDP. `elastic.powersgd` is the
+compression that keeps state.
 
 `bytes_sent` counts what each rank hands to the all-reduce per bucket: the payload, not
 gloo's ring traffic, which is the same multiple of it at every dtype.
@@ -28,10 +29,11 @@ class GradientCompression:
         self.dtype = DTYPES[name]
         self.bytes_sent = 0
 
-    def all_reduce(self, buffer: torch.Tensor,
+    def all_reduce(self, bucket: dist.GradBucket,
                    reduce: Callable[[torch.Tensor], torch.futures.Future]) -> torch.futures.Future:
-        """Average the bucket `buffer` across ranks through `reduce` (a summing all-reduce
-        returning a future of its tensor); a future of the averaged bucket."""
+        """Average the bucket across ranks through `reduce` (a summing all-reduce returning a
+        future of its tensor); a future of the bucket's averaged buffer."""
+        buffer = bucket.buffer()
         world_size = dist.get_world_size()
         if self.dtype is None:
             self.bytes_sent += _nbytes(buffer)

@@ -193,6 +193,7 @@ _SYNC_OPTIONS = {
     "diloco": {"every": int, "outer_lr": float, "outer_momentum": float},
 }
 _SYNC_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9}
+_COMPRESSION_OPTIONS = {"none": {}, "fp16": {}, "bf16": {}, "powersgd": {"rank": int, "start_iter": int}}
 
 
 class Strategy(_Frozen):
@@ -203,8 +204,10 @@ class Strategy(_Frozen):
         "fp32", description="Autocast the prepared model's forward to bf16 or fp16; fp16 also scales the loss "
         "with a GradScaler whose state every rank shares."
     )
-    compression: Literal["none", "fp16", "bf16"] = Field(
-        "none", description="Send DDP's gradient buckets in this dtype: half the bytes of fp32."
+    compression: str = Field(
+        "none", description="'fp16' or 'bf16': send DDP's gradient buckets in this dtype, half the bytes of fp32. "
+        "'powersgd:rank=R[,start_iter=N]': send rank-R factors of each gradient matrix, with error feedback, "
+        "after N plain steps (default 10)."
     )
     sync: str = Field(
         "ddp", description="'ddp': all-reduce gradients every step. 'local_sgd:every=H': average parameters "
@@ -217,6 +220,12 @@ class Strategy(_Frozen):
     def _check_sync(cls, sync: str) -> str:
         parse_sync(sync)
         return sync
+
+    @field_validator("compression")
+    @classmethod
+    def _check_compression(cls, compression: str) -> str:
+        parse_compression(compression)
+        return compression
 
     @model_validator(mode="after")
     def _check(self) -> "Strategy":
@@ -234,24 +243,31 @@ class Strategy(_Frozen):
         """The parsed `sync`: {"kind": ..., "every": H, ...} with defaults filled in."""
         return parse_sync(self.sync)
 
+    @property
+    def compression_options(self) -> dict[str, Any]:
+        """The parsed `compression`: {"kind": ..., "rank": R, "start_iter": N} with defaults filled in."""
+        return parse_compression(self.compression)
+
+
+def parse_compression(text: str) -> dict[str, Any]:
+    """'powersgd:rank=4' -> {"kind": "powersgd", "rank": 4, "start_iter": 10}; 'fp16' -> {"kind": "fp16"}."""
+    usage = "'none', 'fp16', 'bf16' or 'powersgd:rank=R[,start_iter=N]'"
+    parsed = _parse_options("compression", text, _COMPRESSION_OPTIONS, usage)
+    if parsed["kind"] != "powersgd":
+        return parsed
+    if "rank" not in parsed or parsed["rank"] < 1:
+        raise ValueError(f"compression {text!r} needs rank=R with R >= 1, e.g. 'powersgd:rank=4'")
+    parsed = {"start_iter": 10, **parsed}
+    if parsed["start_iter"] < 0:
+        raise ValueError(f"compression {text!r}: start_iter must be >= 0")
+    return parsed
+
 
 def parse_sync(text: str) -> dict[str, Any]:
     """'diloco:every=8,outer_lr=0.5' -> {"kind": "diloco", "every": 8, "outer_lr": 0.5, "outer_momentum": 0.9}."""
-    kind, _, rest = text.partition(":")
     usage = "'ddp', 'local_sgd:every=H' or 'diloco:every=H[,outer_lr=X][,outer_momentum=X]'"
-    if kind not in _SYNC_OPTIONS:
-        raise ValueError(f"sync {text!r} is not one of {usage}")
-    allowed = _SYNC_OPTIONS[kind]
-    parsed: dict[str, Any] = {"kind": kind}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        if key not in allowed:
-            raise ValueError(f"sync {text!r}: {kind} takes no option {key!r}; use {usage}")
-        try:
-            parsed[key] = allowed[key](value)
-        except ValueError:
-            kind_of = {int: "an integer", float: "a number"}[allowed[key]]
-            raise ValueError(f"sync {text!r}: {key}={value!r} is not {kind_of}") from None
+    parsed = _parse_options("sync", text, _SYNC_OPTIONS, usage)
+    kind = parsed["kind"]
     if kind == "ddp":
         return parsed
     if "every" not in parsed or parsed["every"] < 1:
@@ -260,6 +276,25 @@ def parse_sync(text: str) -> dict[str, Any]:
         parsed = {**_SYNC_DEFAULTS, **parsed}
         if parsed["outer_lr"] <= 0 or not 0 <= parsed["outer_momentum"] < 1:
             raise ValueError(f"sync {text!r}: outer_lr must be > 0 and 0 <= outer_momentum < 1")
+    return parsed
+
+
+def _parse_options(field: str, text: str, kinds: dict[str, dict[str, type]], usage: str) -> dict[str, Any]:
+    """'kind:key=value,...' -> {"kind": kind, key: value}, each value of the type `kinds` gives it."""
+    kind, _, rest = text.partition(":")
+    if kind not in kinds:
+        raise ValueError(f"{field} {text!r} is not one of {usage}")
+    allowed = kinds[kind]
+    parsed: dict[str, Any] = {"kind": kind}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in allowed:
+            raise ValueError(f"{field} {text!r}: {kind} takes no option {key!r}; use {usage}")
+        try:
+            parsed[key] = allowed[key](value)
+        except ValueError:
+            kind_of = {int: "an integer", float: "a number"}[allowed[key]]
+            raise ValueError(f"{field} {text!r}: {key}={value!r} is not {kind_of}") from None
     return parsed
 
 

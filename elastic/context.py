@@ -53,10 +53,11 @@ from elastic.group import (
     leave_group,
     rendezvous,
 )
-from elastic.local_sgd import Backup, OuterSync, average_inner_state
+from elastic.local_sgd import Backup, OuterSync
 from elastic.mailbox import GenerationMailbox
+from elastic.powersgd import PowerSGD
 from elastic.precision import Precision
-from elastic.state_sync import load_into, state_of, sync_state
+from elastic.state_sync import average_over_holders, load_into, state_of, sync_state
 
 # Steps between the boundary all-reduces that agree on time-based checkpoints (only runs with
 # CheckpointConfig(every_s) launch them). The step index decides, so every rank checks at the
@@ -185,7 +186,9 @@ class TrainContext:
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         self.strategy = strategy
         self._precision = Precision(strategy.precision, self.device)
-        self._compression = GradientCompression(strategy.compression)
+        casting = strategy.compression if strategy.compression in ("fp16", "bf16") else "none"
+        # What `_allreduce_hook` does to each gradient bucket (PowerSGD from prepare_model on).
+        self._gradient_codec: GradientCompression | PowerSGD = GradientCompression(casting)
         self._hooked = False  # DDP's all-reduce goes through `_allreduce_hook`, which counts its bytes
         self._gradient_bytes = 0  # what one step's gradient sync hands to the all-reduce, unhooked
         self._outer: OuterSync | None = None  # local SGD / DiLoCo
@@ -236,6 +239,11 @@ class TrainContext:
         if self.strategy.sync_options["kind"] != "ddp":
             self._outer = OuterSync(self.strategy.sync_options, model)
             self._objects["outer_sync"] = self._outer
+        options = self.strategy.compression_options
+        if options["kind"] == "powersgd":
+            self._gradient_codec = PowerSGD(list(model.parameters()), options["rank"], options["start_iter"],
+                                            seed=self.data_config.seed)
+            self._objects["powersgd"] = self._gradient_codec
         return self._model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -269,7 +277,7 @@ class TrainContext:
         """What this rank sent to keep the replicas in step so far: `sync_bytes` handed to DDP's
         gradient all-reduce (after compression) or to local SGD's syncs, and `outer_syncs`."""
         outer = self._outer
-        return {"sync_bytes": self._compression.bytes_sent + (outer.bytes_sent if outer else 0),
+        return {"sync_bytes": self._gradient_codec.bytes_sent + (outer.bytes_sent if outer else 0),
                 "outer_syncs": outer.syncs if outer else 0}
 
     def synced_state(self) -> dict[str, Any]:
@@ -547,16 +555,17 @@ class TrainContext:
                 self._restore(spec.resume_from)
         holds_state = self._holds_state and not spec.restart
         self._rolled_back = self._roll_back_to_last_sync() if holds_state else 0
-        inner = self._optimizer.state_dict() if self._outer is not None and self._optimizer is not None else None
+        per_rank = self._per_rank_states()
+        held = {name: get() for name, (get, _) in per_rank.items()}
         held_step = self._step_index
         progress = {"step": self._step_index, "cursor": self._cursor.to_dict()}
         self._last_sync, progress = sync_state(self._objects, progress, self.device, holds_state)
         self._holds_state = True
         self._step_index = progress["step"]
         self._cursor = data_math.DataCursor(**progress["cursor"])
+        for name, (get, put) in per_rank.items():
+            put(average_over_holders(get(), held[name] if holds_state and held_step == self._step_index else None))
         if self._outer is not None:
-            if inner is not None:
-                average_inner_state(self._optimizer, inner if holds_state and held_step == self._step_index else None)
             self._backup.take(self._objects, progress)
         if self._model is not None:
             self._model.ddp = self._wrap(self._model.module)
@@ -566,6 +575,18 @@ class TrainContext:
         done = time.perf_counter()
         return {"leave_s": started - left, "barrier_s": arrived - started, "connect_s": connected - arrived,
                 "sync_s": done - connected}
+
+    def _per_rank_states(self) -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
+        """The state each rank keeps for itself, as (get, put): averaged over the ranks that
+        held it at each new generation (local SGD's inner optimizer, PowerSGD's errors)."""
+        states: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        optimizer = self._optimizer
+        if self._outer is not None and optimizer is not None:
+            states["optimizer"] = (lambda: optimizer.state_dict()["state"],
+                                   lambda state: optimizer.load_state_dict({**optimizer.state_dict(), "state": state}))
+        if isinstance(self._gradient_codec, PowerSGD):
+            states["powersgd"] = (self._gradient_codec.local_state, self._gradient_codec.load_local_state)
+        return states
 
     def _roll_back_to_last_sync(self) -> int:
         """Under local SGD, go back to the last sync if this rank is past it; the steps undone.
@@ -609,7 +630,7 @@ class TrainContext:
             module, device_ids=[self.device.index] if self.device.type == "cuda" else None, init_sync=False
         )
         self._hooked = (self._gradient_all_reduce.abortable or self.faults.needs_comm_hook
-                        or self._compression.dtype is not None)
+                        or self.strategy.compression != "none")
         if self._hooked:
             ddp.register_comm_hook(self, _allreduce_hook)
         return ddp
@@ -636,7 +657,7 @@ class TrainContext:
         """
         self._entered_sync += 1
         if not self._hooked and self._outer is None:
-            self._compression.bytes_sent += self._gradient_bytes  # DDP sends each gradient once
+            self._gradient_codec.bytes_sent += self._gradient_bytes  # DDP sends each gradient once
         if step.compute_s is None:
             step.compute_s = time.perf_counter() - step.started
 
@@ -674,7 +695,8 @@ class TrainContext:
 
 def _allreduce_hook(ctx, bucket):
     """DDP's all-reduce, abortable on gloo (`GradientAllReduce`), compressed by the run's
-    `GradientCompression`, with the faults that act inside it, counting the buckets launched.
+    `GradientCompression` or `PowerSGD`, with the faults that act inside it, counting the
+    buckets launched.
 
     Installed where the all-reduce must be abortable or compressed, and wherever such faults
     exist.
@@ -682,7 +704,7 @@ def _allreduce_hook(ctx, bucket):
     `from __future__ import annotations` would make them.
     """
     ctx.faults.at("allreduce", ctx.rank, ctx.step)
-    future = ctx._compression.all_reduce(bucket.buffer(), ctx._gradient_all_reduce.all_reduce)
+    future = ctx._gradient_codec.all_reduce(bucket, ctx._gradient_all_reduce.all_reduce)
     ctx._launched += 1
     return future
 

@@ -127,26 +127,3 @@ class Backup:
             load_into(obj, states[name])
         return progress
 
-
-def average_inner_state(optimizer: torch.optim.Optimizer, captured: dict[str, Any] | None) -> None:
-    """Replace `optimizer`'s state by the average of the ranks' `captured` states (theirs before
-    this generation's sync; None for a rank that held none at the synced step)."""
-    current = optimizer.state_dict()
-    structure, buffers = flatten(current["state"], torch.device("cpu"))
-    if not buffers:
-        return
-    mine = flatten(captured["state"], torch.device("cpu"))[1] if captured is not None else None
-    if mine is not None and {k: v.numel() for k, v in mine.items()} != {k: v.numel() for k, v in buffers.items()}:
-        mine = None  # a state of another shape (another optimizer's first steps): not comparable
-    holders = torch.tensor([float(mine is not None)], dtype=torch.float64)
-    dist.all_reduce(holders)
-    if holders.item() == 0:
-        return
-    for dtype, buffer in buffers.items():
-        if not buffer.is_floating_point():
-            continue  # step counts: replicated, as synced
-        contribution = mine[dtype] if mine is not None else torch.zeros_like(buffer)
-        dist.all_reduce(contribution)
-        buffer.copy_(contribution.div_(holders.item()))
-    optimizer.load_state_dict({**current, "state": unflatten(structure, buffers)})
-

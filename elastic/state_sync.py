@@ -66,6 +66,34 @@ def sync_state(objects: dict[str, Any], progress: dict[str, Any], device: torch.
     return result, received["progress"]
 
 
+def average_over_holders(current: Any, mine: Any | None) -> Any:
+    """A per-rank state averaged over the ranks that hold one, for every rank of the group.
+
+    `current` is this rank's state as synced (every rank's has the same structure); `mine` is
+    what this rank held before the sync, or None if it held none (a newcomer). Floating
+    tensors become the mean over the holders; anything else stays as synced. A collective:
+    every rank of the group calls it.
+    """
+    device = torch.device("cpu")
+    structure, buffers = flatten(current, device)
+    if not buffers:
+        return current
+    own = flatten(mine, device)[1] if mine is not None else None
+    if own is not None and {k: v.numel() for k, v in own.items()} != {k: v.numel() for k, v in buffers.items()}:
+        own = None  # a state of another shape (before its first step): not comparable
+    holders = torch.tensor([float(own is not None)], dtype=torch.float64)
+    dist.all_reduce(holders)
+    if holders.item() == 0:
+        return current
+    for dtype, buffer in buffers.items():
+        if not buffer.is_floating_point():
+            continue
+        contribution = own[dtype] if own is not None else torch.zeros_like(buffer)
+        dist.all_reduce(contribution)
+        buffer.copy_(contribution.div_(holders.item()))
+    return unflatten(structure, buffers)
+
+
 def state_of(obj: Any) -> Any:
     """The state of a registered object: a tensor itself, or its state_dict()."""
     return obj.detach() if isinstance(obj, torch.Tensor) else obj.state_dict()

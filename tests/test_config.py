@@ -270,3 +270,17 @@ def test_techniques_that_do_not_combine_are_rejected_saying_why():
         Strategy(precision="fp8")
     assert Strategy(sync="diloco:every=8,outer_lr=0.5").sync_options == {
         "kind": "diloco", "every": 8, "outer_lr": 0.5, "outer_momentum": 0.9}
+
+
+@pytest.mark.parametrize("compression, problem", [
+    ("int8", r"compression 'int8' is not one of 'none', 'fp16', 'bf16' or 'powersgd:rank=R\[,start_iter=N\]'"),
+    ("powersgd", r"compression 'powersgd' needs rank=R with R >= 1, e.g. 'powersgd:rank=4'"),
+    ("powersgd:rank=two", r"rank='two' is not an integer"),
+    ("powersgd:rank=4,warm=1", r"powersgd takes no option 'warm'"),
+    ("powersgd:rank=4,start_iter=-1", r"start_iter must be >= 0"),
+])
+def test_a_compression_spec_that_does_not_parse_is_rejected_naming_the_forms_it_takes(compression, problem):
+    with pytest.raises(ValidationError, match=problem):
+        Strategy(compression=compression)
+    assert Strategy(compression="powersgd:rank=4").compression_options == {"kind": "powersgd", "rank": 4,
+                                                                            "start_iter": 10}

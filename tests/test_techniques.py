@@ -159,3 +159,42 @@ def test_collectives_give_the_same_answers_at_world_sizes_1_2_and_3_and_a_death_
                   faults=[Fault(kind="kill", rank=2, step=6)], check_collectives=True)
     assert result.events_of("recovery"), "no heal"
     assert checked | set(result.value["collectives_checked"]) == {1, 2, 3}
+
+
+POWERSGD = Strategy(compression="powersgd:rank=2,start_iter=3")
+
+
+def test_powersgd_through_a_planned_grow_equals_a_fixed_size_run(local_ray, tmp_path):
+    # P and Q are scale-free in the world size and the error buffers are averaged, so a
+    # grow changes nothing; regression_loop checks that the joiner's iter, generator, Q and
+    # error buffers equal the others' at the first step of each generation.
+    fixed = _fit(tmp_path, "powersgd-2", ScalingConfig(min_workers=2, max_workers=2), POWERSGD)
+
+    @ray.remote(num_cpus=2)
+    class Hog:
+        def ready(self):
+            return True
+
+    hog = Hog.remote()
+    ray.get(hog.ready.remote())
+
+    def formed_then_freed(events):
+        if any(e["type"] == "generation_formed" for e in events):
+            ray.kill(hog)
+            return _started(3)(events)
+        return False
+
+    grown = _fit_held(tmp_path, "powersgd-grow", 6, formed_then_freed, scaling=ScalingConfig(min_workers=2, max_workers=3),
+                      strategy=POWERSGD)
+    assert [e["world_size"] for e in grown.events_of("generation_formed")] == [2, 3]
+    assert _max_diff(grown.value["params"], fixed.value["params"]) < 1e-9
+    parameter_bytes = sum(v.numel() * v.element_size() for v in fixed.value["params"].values())
+    assert fixed.value["comm_bytes"] < 0.5 * MAX_STEPS * parameter_bytes, "PowerSGD sent half of plain DDP or more"
+
+
+def test_powersgd_through_a_kill_ends_within_two_percent_of_the_fault_free_loss(local_ray, tmp_path):
+    fixed = _fit(tmp_path, "powersgd-ref", ScalingConfig(min_workers=2, max_workers=2), POWERSGD)
+    healed = _fit(tmp_path, "powersgd-kill", ScalingConfig(min_workers=1, max_workers=2), POWERSGD,
+                  faults=[Fault(kind="kill", rank=1, step=10, where="allreduce")])
+    assert healed.events_of("recovery"), "no heal"
+    assert abs(healed.value["final_loss"] - fixed.value["final_loss"]) <= 0.02 * fixed.value["final_loss"]
