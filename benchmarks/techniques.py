@@ -12,10 +12,14 @@ Figures, per variant, each a median over the rounds with min, median and max und
 `spread.<key>`:
 
 - techniques.step_ratio_vs_ddp.<variant>: the median steady step time (rank 0's gaps between
-  committed steps past WARMUP_STEPS) over fp32 DDP's in the same round;
+  committed steps past WARMUP_STEPS) over fp32 DDP's in the same round. Every variant steps
+  SGD, except zero1, which steps AdamW (ZeRO-1 needs optimizer state to shard) and is set
+  against DDP stepping AdamW;
 - techniques.comm_bytes_per_step_ratio.<variant>: bytes each rank handed to the collectives
   that keep the replicas in step (`ctx.communication["sync_bytes"]`, counted in the gradient
-  hook, or DDP's gradient bytes without one, or local SGD's syncs) per step, over fp32 DDP's.
+  hook, or DDP's gradient bytes without one, or local SGD's syncs) per step, over fp32 DDP's;
+- techniques_zero_state_bytes.<N>: zero1's AdamW state bytes per rank at N workers, its own
+  shard and its buddy copy, beside ZeRO-1's formula 8Ψ/N for each (Ψ parameters).
 
 The workload's labels are random, so its loss says nothing about a technique's accuracy; the
 tests compare losses on a regression task instead (tests/test_techniques.py).
@@ -50,13 +54,18 @@ VARIANTS = {
     "compress_fp16": elastic.Strategy(compression="fp16"),
     "compress_bf16": elastic.Strategy(compression="bf16"),
     "powersgd_r4": elastic.Strategy(compression="powersgd:rank=4,start_iter=2"),
+    "zero1": elastic.Strategy(zero=1),
     "local_sgd_h8": elastic.Strategy(sync="local_sgd:every=8"),
     "diloco_h8": elastic.Strategy(sync="diloco:every=8"),
 }
 BASELINE = "ddp_fp32"
+ZERO_WORLD_SIZES = (2, 3)
+ZERO_STEPS = 8
 DEFINITIONS = {
     "techniques.step_ratio_vs_ddp": "median steady step time of the variant over fp32 DDP's, same round, 2 CPU workers",
     "techniques.comm_bytes_per_step_ratio": "bytes per step a rank hands to the replicas' sync collectives, over fp32 DDP's",
+    "techniques.zero_state_bytes": "AdamW state bytes per rank under zero=1 (own shard, buddy copy) at N workers, "
+                                   "beside ZeRO-1's formula 8*P/N for each (P parameters, fp32 exp_avg and exp_avg_sq)",
 }
 
 
@@ -64,7 +73,13 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     ctx = elastic.get_context()
     dataset = workload.make_dataset()
     model = ctx.prepare_model(workload.make_model())
-    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=workload.LR))
+    if config.get("adamw"):
+        optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    else:
+        # Every variant but the ZeRO one steps plain SGD, as the other benchmarks do; ZeRO-1
+        # needs state to shard, so it steps AdamW, and so does its own baseline run.
+        inner = torch.optim.AdamW if ctx.strategy.zero else torch.optim.SGD
+        optimizer = ctx.prepare_optimizer(inner(model.parameters(), lr=workload.LR))
     stamps = []
     for step in ctx.steps(dataset):
         with step:
@@ -76,14 +91,19 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         if step.committed:
             stamps.append(workload.stamp(step.index, ctx.generation, ctx.world_size, time.perf_counter()))
     gaps = workload.steady_gaps(stamps)
+    state_bytes = (optimizer.state_bytes_per_rank() if ctx.strategy.zero else None)
     return {"step_s": statistics.median(gaps) if gaps else None,
-            "sync_bytes_per_step": ctx.communication["sync_bytes"] / max(1, ctx.step)}
+            "sync_bytes_per_step": ctx.communication["sync_bytes"] / max(1, ctx.step),
+            "state_bytes": {"own": state_bytes.own, "buddy": state_bytes.buddy} if state_bytes else None,
+            "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def run_variant(strategy: elastic.Strategy, steps: int, storage: str) -> dict[str, Any]:
+def run_variant(strategy: elastic.Strategy, steps: int, storage: str, world_size: int = workload.WORLD_SIZE,
+                **config: Any) -> dict[str, Any]:
     result = elastic.ElasticTrainer(
         train_loop,
-        scaling_config=elastic.ScalingConfig(min_workers=workload.WORLD_SIZE, max_workers=workload.WORLD_SIZE),
+        train_loop_config=config,
+        scaling_config=elastic.ScalingConfig(min_workers=world_size, max_workers=world_size),
         run_config=elastic.RunConfig(name=f"techniques-{time.monotonic_ns()}", storage_path=storage),
         data_config=elastic.DataConfig(global_batch_size=workload.GLOBAL_BATCH, micro_batch_size=workload.MICRO_BATCH,
                                        max_steps=steps),
@@ -101,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rounds, steps = (1, QUICK_STEPS) if args.quick else (args.rounds, STEPS)
     started = time.time()
-    ray.init(address="local", num_cpus=workload.WORLD_SIZE, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(workload.WORLD_SIZE, *ZERO_WORLD_SIZES), include_dashboard=False,
+             log_to_driver=False)
     figures: dict[str, list[float | None]] = {}
     with tempfile.TemporaryDirectory(prefix="elastic-techniques-") as storage:
         # Workers cannot import `benchmarks`: ship the train loop and the workload by value.
@@ -110,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         for round_index in range(rounds):
             outcomes = {name: run_variant(strategy, steps, storage) for name, strategy in VARIANTS.items()}
             base = outcomes[BASELINE]
+            adamw = run_variant(elastic.Strategy(), steps, storage, adamw=True)
+            zero = outcomes.pop("zero1")
+            figures.setdefault("techniques.step_ratio_vs_ddp.zero1", []).append(
+                zero["step_s"] / adamw["step_s"] if zero["step_s"] and adamw["step_s"] else None)
             for name, outcome in outcomes.items():
                 figures.setdefault(f"techniques.step_ratio_vs_ddp.{name}", []).append(
                     outcome["step_s"] / base["step_s"] if outcome["step_s"] and base["step_s"] else None)
@@ -117,12 +142,21 @@ def main(argv: list[str] | None = None) -> int:
                     outcome["sync_bytes_per_step"] / base["sync_bytes_per_step"])
             print(f"round {round_index + 1}/{rounds}: " + ", ".join(
                 f"{n} {o['step_s'] * 1e3:.1f} ms" for n, o in outcomes.items() if o["step_s"]), flush=True)
+        zero_state = {}
+        for world_size in ZERO_WORLD_SIZES:
+            outcome = run_variant(VARIANTS["zero1"], ZERO_STEPS, storage, world_size=world_size)
+            formula = 8 * outcome["parameters"] / world_size
+            zero_state[str(world_size)] = {**outcome["state_bytes"], "formula_each": formula,
+                                           "own_over_formula": outcome["state_bytes"]["own"] / formula,
+                                           "replicated": 8 * outcome["parameters"]}
     ray.shutdown()
     command = shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", "benchmarks.techniques",
                           *(argv if argv is not None else sys.argv[1:])])
     details = {"techniques_setup": {"steps": steps, "rounds": rounds, "world_size": workload.WORLD_SIZE,
-                                    "variants": {name: s.model_dump() for name, s in VARIANTS.items()}}}
+                                    "variants": {name: s.model_dump() for name, s in VARIANTS.items()}},
+               "techniques_zero_state_bytes": zero_state}
     merge_figures(args.out, figures, details, DEFINITIONS, command, time.time() - started)
+    print("zero=1 AdamW state bytes per rank:", zero_state)
     for key, values in sorted(figures.items()):
         present = [v for v in values if v is not None]
         print(f"{key:55s} {statistics.median(present):.4g}" if present else f"{key:55s} -")

@@ -39,6 +39,7 @@ FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 USER_FILES = "user"
+OPTIMIZER_SHARDS = "optimizer-shards"
 # A large write is hashed and written in pieces of this size: small enough that the hash and the
 # write read a piece while it is still in the CPU cache.
 HASH_PIECE_BYTES = 8 << 20
@@ -54,6 +55,11 @@ def step_dir(step: int) -> str:
 
 def shard_name(rank: int, world_size: int) -> str:
     return f"shard-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def optimizer_shard_name(rank: int, world_size: int) -> str:
+    """The file of rank's part of a sharded (ZeRO) optimizer state."""
+    return f"{OPTIMIZER_SHARDS}/{rank:05d}-of-{world_size:05d}.pt"
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,14 @@ class Checkpoint:
     def read_file(self, name: str) -> bytes:
         """A file the train loop stored with `ctx.add_checkpoint_file(name, data)`."""
         return self._read(self._entry(f"{USER_FILES}/{name}"))
+
+    def load_optimizer_shards(self) -> list[dict[str, Any]]:
+        """Every rank's part of a sharded optimizer state, as `ShardedOptimizer.load_sharded` takes them."""
+        names = [e["name"] for e in self.manifest["files"] if e["name"].startswith(f"{OPTIMIZER_SHARDS}/")]
+        if not names:
+            raise CheckpointError(f"checkpoint {self.path} holds no sharded optimizer state: it was written "
+                                  "without Strategy(zero=1); resume it with the same strategy")
+        return [torch.load(io.BytesIO(self._read(self._entry(name))), weights_only=True) for name in sorted(names)]
 
     def load_state(self) -> dict[str, Any]:
         """{"model": ..., "optimizer": ..., <other registered state>..., "progress": {...}}."""
@@ -268,11 +282,15 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
 
     def submit(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
-               user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool = False) -> None:
+               user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool = False,
+               optimizer_shard: dict[str, Any] | None = None) -> None:
+        """Write this rank's shard (and `optimizer_shard`, its part of a ZeRO optimizer's state, a
+        copy) in the background."""
         self.wait()
         self._thread = threading.Thread(
             target=self._write,
-            args=(snapshot, rank, world_size, stall_s, dict(user_files), dict(metadata), crash_midway),
+            args=(snapshot, rank, world_size, stall_s, dict(user_files), dict(metadata), crash_midway,
+                  optimizer_shard),
             daemon=True, name="elastic-checkpoint",
         )
         self._thread.start()
@@ -283,7 +301,8 @@ class CheckpointWriter:
             self._thread = None
 
     def _write(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
-               user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool) -> None:
+               user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool,
+               optimizer_shard: dict[str, Any] | None) -> None:
         started = time.perf_counter()
         folder = checkpoint_storage(self.run, snapshot.step)
         report: dict[str, Any] = {"step": snapshot.step, "rank": rank, "world_size": world_size,
@@ -296,6 +315,9 @@ class CheckpointWriter:
             crash_after = sum(c.numel() * c.element_size() for c in chunks.values()) // 2 if crash_midway else None
             report["files"].append(
                 write_file(folder, shard_name(rank, world_size), lambda out: torch.save(payload, out), crash_after))
+            if optimizer_shard is not None:
+                report["files"].append(write_file(folder, optimizer_shard_name(rank, world_size),
+                                                  lambda out: torch.save(optimizer_shard, out)))
             if rank == 0:
                 for name, data in user_files.items():
                     report["files"].append(write_file(folder, f"{USER_FILES}/{name}", lambda out: out.write(data)))

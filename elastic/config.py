@@ -209,6 +209,10 @@ class Strategy(_Frozen):
         "'powersgd:rank=R[,start_iter=N]': send rank-R factors of each gradient matrix, with error feedback, "
         "after N plain steps (default 10)."
     )
+    zero: Literal[0, 1] = Field(
+        0, description="1: ZeRO stage 1, the optimizer state sharded across ranks (each shard also kept by the "
+        "next rank), resharded point to point at every heal and grow."
+    )
     sync: str = Field(
         "ddp", description="'ddp': all-reduce gradients every step. 'local_sgd:every=H': average parameters "
         "every H steps. 'diloco:every=H,outer_lr=0.7,outer_momentum=0.9': every H steps an outer Nesterov SGD "
@@ -233,6 +237,12 @@ class Strategy(_Frozen):
         if kind != "ddp" and self.compression != "none":
             raise ValueError(f"compression={self.compression!r} acts on DDP's per-step gradient all-reduce, which "
                              f"sync={self.sync!r} does not do; use one or the other")
+        if self.zero and kind != "ddp":
+            raise ValueError(f"zero=1 shards the state of an optimizer that steps on all-reduced gradients; "
+                             f"sync={self.sync!r} steps each rank alone: use one or the other")
+        if self.zero and self.precision == "fp16":
+            raise ValueError("zero=1 with precision='fp16' is not built yet: the GradScaler would have to "
+                             "unscale before the sharded step; use precision='bf16' or zero=0")
         if kind != "ddp" and self.precision == "fp16":
             raise ValueError(f"precision='fp16' needs every rank to skip the same overflowing steps, which only "
                              f"sync='ddp' guarantees; use precision='bf16' with sync={self.sync!r}")

@@ -58,6 +58,7 @@ from elastic.mailbox import GenerationMailbox
 from elastic.powersgd import PowerSGD
 from elastic.precision import Precision
 from elastic.state_sync import average_over_holders, load_into, state_of, sync_state
+from elastic.zero import ShardedOptimizer
 
 # Steps between the boundary all-reduces that agree on time-based checkpoints (only runs with
 # CheckpointConfig(every_s) launch them). The step index decides, so every rank checks at the
@@ -192,6 +193,7 @@ class TrainContext:
         self._hooked = False  # DDP's all-reduce goes through `_allreduce_hook`, which counts its bytes
         self._gradient_bytes = 0  # what one step's gradient sync hands to the all-reduce, unhooked
         self._outer: OuterSync | None = None  # local SGD / DiLoCo
+        self._zero: ShardedOptimizer | None = None  # the prepared optimizer under Strategy(zero=1)
         self._backup = Backup()  # local SGD's state at its last sync
         self._rolled_back = 0
         self.spec: GenerationSpec | None = None
@@ -247,11 +249,18 @@ class TrainContext:
         return self._model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Register `optimizer` for healing; its `step()` commits the current global step."""
+        """Register `optimizer` for healing; its `step()` commits the current global step.
+
+        Step the optimizer this returns: under Strategy(zero=1) it is a `ShardedOptimizer`
+        around yours, whose state is sharded across the ranks rather than synced whole.
+        """
         if self._optimizer is not None:
             raise ElasticError("prepare_optimizer() was called twice; elastic syncs one optimizer per run")
+        if self.strategy.zero:
+            optimizer = self._zero = ShardedOptimizer(optimizer)
+        else:
+            self._objects["optimizer"] = optimizer
         self._optimizer = optimizer
-        self._objects["optimizer"] = optimizer
         optimizer.register_step_post_hook(lambda *_: self._commit())
         if self._precision.scaler is not None:
             self._objects["grad_scaler"] = self._precision.scaler
@@ -474,10 +483,12 @@ class TrainContext:
             states = {name: state_of(obj) for name, obj in self._objects.items()}
             progress = {"step": self._step_index, "cursor": self._cursor.to_dict()}
         snapshot = take_snapshot(states, progress)
+        optimizer_shard = _copied(self._zero.sharded_state_dict()) if self._zero is not None else None
         crash = self.faults.crash_checkpoint(self.rank, self._step_index)
         self._wait_for_writer()  # one upload at a time: back-pressure, reported as progress
         self._writer.submit(snapshot, self.rank, self.world_size, time.perf_counter() - started,
-                            self._checkpoint_files, self._checkpoint_metadata, crash_midway=crash)
+                            self._checkpoint_files, self._checkpoint_metadata, crash_midway=crash,
+                            optimizer_shard=optimizer_shard)
         self._last_checkpoint = time.monotonic()
 
     def _join(self, reason: str, lost: int = 0) -> None:
@@ -554,6 +565,7 @@ class TrainContext:
             if spec.resume_from is not None and spec.rank == 0:
                 self._restore(spec.resume_from)
         holds_state = self._holds_state and not spec.restart
+        sharded = self._sharded_position() if holds_state else None
         self._rolled_back = self._roll_back_to_last_sync() if holds_state else 0
         per_rank = self._per_rank_states()
         held = {name: get() for name, (get, _) in per_rank.items()}
@@ -565,6 +577,10 @@ class TrainContext:
         self._cursor = data_math.DataCursor(**progress["cursor"])
         for name, (get, put) in per_rank.items():
             put(average_over_holders(get(), held[name] if holds_state and held_step == self._step_index else None))
+        if self._zero is not None:
+            self._zero.reshard(sharded if held_step == self._step_index else None)
+            if spec.restart and spec.resume_from is not None:
+                self._zero.load_sharded(spec.resume_from.load_optimizer_shards())
         if self._outer is not None:
             self._backup.take(self._objects, progress)
         if self._model is not None:
@@ -587,6 +603,16 @@ class TrainContext:
         if isinstance(self._gradient_codec, PowerSGD):
             states["powersgd"] = (self._gradient_codec.local_state, self._gradient_codec.load_local_state)
         return states
+
+    def _sharded_position(self):
+        """What this rank holds of a ZeRO optimizer's state, to reshard from; None if nothing
+        usable (a death inside its step left it a step ahead of the parameters)."""
+        if self._zero is None:
+            return None
+        try:
+            return self._zero.position
+        except ElasticError:
+            return None
 
     def _roll_back_to_last_sync(self) -> int:
         """Under local SGD, go back to the last sync if this rank is past it; the steps undone.
@@ -707,6 +733,15 @@ def _allreduce_hook(ctx, bucket):
     future = ctx._gradient_codec.all_reduce(bucket, ctx._gradient_all_reduce.all_reduce)
     ctx._launched += 1
     return future
+
+
+def _copied(value: Any) -> Any:
+    """`value` with every tensor cloned to CPU: a checkpoint is written while training goes on."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

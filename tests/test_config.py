@@ -284,3 +284,13 @@ def test_a_compression_spec_that_does_not_parse_is_rejected_naming_the_forms_it_
         Strategy(compression=compression)
     assert Strategy(compression="powersgd:rank=4").compression_options == {"kind": "powersgd", "rank": 4,
                                                                             "start_iter": 10}
+
+
+def test_zero_with_a_technique_it_does_not_combine_with_is_rejected_saying_why():
+    with pytest.raises(ValidationError, match=r"zero=1 shards the state of an optimizer that steps on all-reduced "
+                       r"gradients; sync='diloco:every=8' steps each rank alone"):
+        Strategy(zero=1, sync="diloco:every=8")
+    with pytest.raises(ValidationError, match=r"zero=1 with precision='fp16' is not built yet"):
+        Strategy(zero=1, precision="fp16")
+    with pytest.raises(ValidationError, match=r"zero\n  Input should be 0 or 1"):
+        Strategy(zero=3)

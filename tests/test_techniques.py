@@ -11,7 +11,8 @@ import time
 import pytest
 import ray
 
-from elastic import DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy
+from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy
+from elastic.errors import TrainingFailedError
 from elastic.events import read_events
 from elastic.storage import RunStorage
 from workloads import GLOBAL_BATCH, NUM_SAMPLES, regression_loop
@@ -64,13 +65,14 @@ def _assert_exactly_once(ledger, steps):
 
 @pytest.fixture(scope="module")
 def ddp_reference(local_ray, tmp_path_factory):
-    """A fault-free fp32 DDP run at 2 workers, and one without momentum."""
+    """Fault-free fp32 DDP runs at 2 workers: SGD with momentum, without, in float32, and AdamW."""
     path = tmp_path_factory.mktemp("reference")
     two = ScalingConfig(min_workers=2, max_workers=2)
     return {
         "momentum": _fit(path, "ddp", two).value,
         "plain": _fit(path, "ddp-plain", two, momentum=0.0).value,
         "float32": _fit(path, "ddp-f32", two, dtype="float32").value,
+        "adamw": _fit(path, "ddp-adamw", two, optimizer="adamw").value,
     }
 
 
@@ -198,3 +200,67 @@ def test_powersgd_through_a_kill_ends_within_two_percent_of_the_fault_free_loss(
                   faults=[Fault(kind="kill", rank=1, step=10, where="allreduce")])
     assert healed.events_of("recovery"), "no heal"
     assert abs(healed.value["final_loss"] - fixed.value["final_loss"]) <= 0.02 * fixed.value["final_loss"]
+
+
+ZERO = Strategy(zero=1)
+
+
+def test_zero_1_equals_ddp_through_a_grow_and_a_kill_with_the_dead_ranks_shard_from_its_buddy(local_ray, tmp_path,
+                                                                                                ddp_reference):
+    # Start at 2 (another actor holds the third CPU's worth), grow to 3 once it goes, then
+    # rank 1 dies at step 16: its shard of the AdamW state lives on in rank 2's buddy copy.
+    @ray.remote(num_cpus=2)
+    class Hog:
+        def ready(self):
+            return True
+
+    hog = Hog.remote()
+    ray.get(hog.ready.remote())
+
+    def formed_then_freed(events):
+        if any(e["type"] == "generation_formed" for e in events):
+            ray.kill(hog)
+            return _started(3)(events)
+        return False
+
+    result = _fit_held(tmp_path, "zero", 4, formed_then_freed, scaling=ScalingConfig(min_workers=2, max_workers=3),
+                       strategy=ZERO, faults=[Fault(kind="kill", rank=1, step=16)], optimizer="adamw")
+    kinds = [(e["kind"], e["world_size"]) for e in result.events_of("generation_formed")]
+    assert kinds[:3] == [("start", 2), ("grow", 3), ("heal", 2)], kinds
+    assert _max_diff(result.value["params"], ddp_reference["adamw"]["params"]) < 1e-9
+
+
+def test_a_zero_checkpoint_written_by_3_ranks_resumes_at_2_exactly(local_ray, tmp_path, ddp_reference):
+    def run(workers, max_steps):
+        return ElasticTrainer(
+            regression_loop,
+            train_loop_config={"max_steps": MAX_STEPS, "optimizer": "adamw"},
+            scaling_config=ScalingConfig(min_workers=workers, max_workers=workers),
+            run_config=RunConfig(name="zero-resume", storage_path=str(tmp_path),
+                                 checkpoint_config=CheckpointConfig(every_steps=8)),
+            data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=max_steps),
+            strategy=ZERO, show_progress=False,
+        ).fit()
+
+    first = run(3, 16)
+    assert first.checkpoint is not None and first.checkpoint.world_size == 3
+    resumed = run(2, MAX_STEPS)
+    assert resumed.events_of("generation_formed")[0]["step"] == 16, "did not resume from step 16"
+    assert _max_diff(resumed.value["params"], ddp_reference["adamw"]["params"]) < 1e-9
+
+
+def test_a_checkpoint_without_optimizer_shards_does_not_resume_a_zero_run(local_ray, tmp_path):
+    def run(strategy, max_steps):
+        return ElasticTrainer(
+            regression_loop, train_loop_config={"max_steps": MAX_STEPS, "optimizer": "adamw"},
+            scaling_config=ScalingConfig(min_workers=2, max_workers=2),
+            run_config=RunConfig(name="mixed", storage_path=str(tmp_path),
+                                 checkpoint_config=CheckpointConfig(every_steps=8)),
+            data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=max_steps),
+            strategy=strategy, show_progress=False,
+        ).fit()
+
+    run(Strategy(), 8)
+    with pytest.raises(TrainingFailedError, match=r"holds no sharded optimizer state: it was written without "
+                       r"Strategy\(zero=1\); resume it with the same strategy"):
+        run(ZERO, MAX_STEPS)

@@ -65,8 +65,11 @@ def regression_loop(config: dict) -> dict:
     dtype = getattr(torch, config.get("dtype", "float64"))
     dataset = regression_data(config.get("num_samples", NUM_SAMPLES), dtype)
     model = ctx.prepare_model(build_mlp(config.get("hidden", 32), dtype))
-    optimizer = ctx.prepare_optimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=config.get("momentum", 0.9)))
+    if config.get("optimizer") == "adamw":
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    else:
+        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=config.get("momentum", 0.9))
+    optimizer = ctx.prepare_optimizer(inner)
     epochs = -(-config["max_steps"] // STEPS_PER_EPOCH)
     ledger = torch.zeros(epochs, NUM_SAMPLES, dtype=torch.float64)
     ctx.register_state("ledger", ledger)

@@ -1,0 +1,562 @@
+"""ZeRO stage 1: the optimizer state sharded across data-parallel ranks, resharded live when
+the world size changes, in the same processes, point to point.
+
+    optimizer = ShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    optimizer.reshard(None)            # in the first group: nobody holds state yet
+    loss.backward()                    # DDP leaves the averaged gradient in every .grad
+    optimizer.step()
+    optimizer.zero_grad()
+    previous = optimizer.position      # before leaving the group
+    ...                                # the next generation's group is formed
+    optimizer.reshard(previous)        # every member; a newcomer passes None
+
+Layout. The parameters, in order, form one logical flat vector of Ψ elements. With N ranks,
+rank r owns [r·S, min((r+1)·S, Ψ)) with S = ceil(Ψ/N); the last ranges may be short or empty.
+Rank r runs a fresh instance of the user's optimizer class, with the same hyperparameters, on a
+flat copy of its range only, so elementwise state (Adam's exp_avg and exp_avg_sq, SGD's
+momentum_buffer) exists once across the group. A step copies this rank's slice of the
+(already averaged) gradients into the shard, steps the inner optimizer, and one all-gather
+(all_gather_into_tensor) of the shards, padded to S, writes the new parameters into the model.
+Parameters stay replicated; only the optimizer state is sharded.
+
+Buddies. With `replicas=k` (1 by default) rank r also keeps a copy of the state of ranks
+r-1 … r-k (mod N). At the end of every step it sends its own state to ranks r+1 … r+k, so a
+death of up to k consecutive ranks loses nothing.
+
+Memory, for Adam in fp32 (8 bytes of state per element): replicated, every rank holds 8Ψ.
+Here a rank holds 8Ψ/N of its own plus k·8Ψ/N of buddy copies, (1+k)·8Ψ/N in all, and the
+buddy refresh sends k·8Ψ/N per rank per step beside the all-gather of Ψ parameters.
+
+Reshard. Every member of the new group says what it holds: a `ShardPosition` (old rank, old
+world size, steps taken), or None. All ranks compute the same plan from these (`plan_reshard`).
+Each new rank needs its new range and its k buddy ranges. Each piece of an old range that
+overlaps one of them comes from the first of these that holds it: the receiver itself (as owner
+or buddy, a local copy), the old owner, or the nearest live buddy. The pieces then move point to
+point with batch_isend_irecv, each once; no rank ever holds the whole state. A rank sends just
+the pieces the plan names it the source of. It receives at most (1+k)·S' elements per state
+tensor, less what it already holds. At Ψ=12 with k=1 (see tests/test_zero.py): growing 2->3
+sends 8 elements per state tensor, all to the newcomer. A death of rank 1 of 3 sends 8 to the
+survivors. Each rank's old and new shards coexist while a reshard runs. If a piece has no
+living holder, every rank raises `ShardLostError`: the run restarts from a checkpoint.
+
+A planned shrink runs the reshard in the old group: the leaving ranks pass `leaving=True` and
+only send, and the staying ranks then `bind` the smaller group. A death runs the same reshard in
+the new group, without the dead; their pieces come from buddy copies.
+
+Limits: one param group, with all parameters of one dtype and device. The inner optimizer must
+be elementwise (SGD, Adam, AdamW, Adagrad, RMSprop): a per-tensor rule such as LAMB's trust
+ratio would see one tensor per shard. Every parameter needs a gradient at every step. `step()`
+is not transactional: after a failure inside it, the state on this rank is a step ahead of
+the parameters, so `position` raises and the run resumes from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.errors import ElasticError
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; pyproject allows torch 2.4.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardLostError(ElasticError):
+    """No live process holds a piece of the sharded optimizer state; restart from a checkpoint."""
+
+    def __init__(self, message: str, lost_ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.lost_ranks = list(lost_ranks)
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.lost_ranks))
+
+
+@dataclass(frozen=True)
+class ShardPosition:
+    """The shard a process held: `rank` in a group of `world_size`, after `steps` steps."""
+
+    rank: int
+    world_size: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Elements [start, stop) of every state tensor, from group rank `source` to group rank `target`.
+
+    The source reads its copy of old rank `owner`'s shard. The target writes its copy of new
+    rank `keeper`'s shard: its own if `keeper` is its new rank, else a buddy copy.
+    """
+
+    source: int
+    target: int
+    owner: int
+    keeper: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of optimizer state one rank holds: its own shard and its buddy copies."""
+
+    own: int
+    buddy: int
+
+
+def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of the flat vector that `rank` owns among `world_size` ranks."""
+    size = math.ceil(numel / world_size)
+    return min(rank * size, numel), min((rank + 1) * size, numel)
+
+
+def buddies_of(rank: int, world_size: int, replicas: int) -> list[int]:
+    """The ranks whose state `rank` keeps copies of, nearest first."""
+    return [(rank - j) % world_size for j in range(1, min(replicas, world_size - 1) + 1)]
+
+
+def agreed_history(positions: Sequence[ShardPosition | None]) -> tuple[int, int] | None:
+    """(old world size, steps) that every holder agrees on; None if nobody holds state."""
+    held = [p for p in positions if p is not None]
+    if not held:
+        return None
+    histories = {(p.world_size, p.steps) for p in held}
+    ranks = sorted(p.rank for p in held)
+    world_size, steps = held[0].world_size, held[0].steps
+    if len(histories) > 1 or len(set(ranks)) < len(ranks) or not all(0 <= r < world_size for r in ranks):
+        raise ElasticError(
+            f"The processes hold optimizer state of different groups: {held}. Each must pass the "
+            "position it held in the same last group, or None if it missed steps or was not in it."
+        )
+    return world_size, steps
+
+
+def plan_reshard(
+    numel: int, positions: Sequence[ShardPosition | None], leaving: Sequence[bool], replicas: int
+) -> list[Transfer]:
+    """Every piece each staying rank needs and who sends it; the same list on every rank.
+
+    `positions[g]` is what group rank g holds and `leaving[g]` says whether it leaves after
+    sending. The staying ranks, in group order, become new ranks 0, 1, ... Raises
+    `ShardLostError` if a needed piece has no holder.
+    """
+    history = agreed_history(positions)
+    if history is None:
+        return []
+    old_size, steps = history
+    copies: dict[int, list[int]] = {}
+    for g, position in enumerate(positions):
+        if position is not None:
+            for owner in [position.rank, *buddies_of(position.rank, old_size, replicas)]:
+                copies.setdefault(owner, []).append(g)
+
+    def source(owner: int, target: int) -> int | None:
+        holders = copies.get(owner, [])
+        if target in holders:
+            return target
+        # The owner itself, then its buddies nearest first.
+        return min(holders, key=lambda g: (positions[g].rank - owner) % old_size, default=None)
+
+    stayers = [g for g, gone in enumerate(leaving) if not gone]
+    transfers, lost = [], set()
+    for new_rank, target in enumerate(stayers):
+        for keeper in [new_rank, *buddies_of(new_rank, len(stayers), replicas)]:
+            start, stop = shard_range(numel, len(stayers), keeper)
+            for owner in range(old_size):
+                old_start, old_stop = shard_range(numel, old_size, owner)
+                begin, end = max(start, old_start), min(stop, old_stop)
+                if begin >= end:
+                    continue
+                sender = source(owner, target)
+                if sender is None:
+                    lost.add(owner)
+                else:
+                    transfers.append(Transfer(sender, target, owner, keeper, begin, end))
+    if lost:
+        lost_ranks = sorted(lost)
+        raise ShardLostError(
+            f"The optimizer state of old rank(s) {lost_ranks} of {old_size} (after step {steps}) is "
+            f"lost: neither its owner nor a buddy copy (replicas={replicas}) is in the new group. "
+            "The run must restart from a checkpoint; with replicas=k, a death of up to k "
+            "consecutive ranks loses nothing.",
+            lost_ranks,
+        )
+    return transfers
+
+
+@dataclass(frozen=True)
+class _Layout:
+    numel: int
+    world_size: int
+    rank: int
+
+    @property
+    def shard_size(self) -> int:
+        return math.ceil(self.numel / self.world_size)
+
+    def range(self, rank: int | None = None) -> tuple[int, int]:
+        return shard_range(self.numel, self.world_size, self.rank if rank is None else rank)
+
+    def length(self, rank: int | None = None) -> int:
+        start, stop = self.range(rank)
+        return stop - start
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """The user's optimizer with its state sharded across ranks (ZeRO-1); see the module docstring.
+
+    `param_groups` holds the model's parameters and the hyperparameters, so `zero_grad()`, LR
+    schedulers and step hooks work as on the wrapped optimizer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, replicas: int = 1) -> None:
+        _check_wrappable(optimizer, replicas)
+        super().__init__([dict(optimizer.param_groups[0])], optimizer.defaults)
+        self._sealed = True
+        self._optimizer_class = type(optimizer)
+        self._params: list[torch.Tensor] = list(self.param_groups[0]["params"])
+        self._numel = sum(p.numel() for p in self._params)
+        self._replicas = replicas
+        self._layout: _Layout | None = None
+        self._group: dist.ProcessGroup | None = None  # None: the default group (WORLD)
+        self._awaits_bind = False  # after a planned shrink, until `bind` names the smaller group
+        self._padded: torch.Tensor | None = None  # the shard, padded to S for the all-gather
+        self._shard: torch.Tensor | None = None  # the inner optimizer's only parameter
+        self._inner: torch.optim.Optimizer | None = None
+        self._buddies: dict[int, dict[str, torch.Tensor]] = {}
+        self._steps = 0
+        self._torn = False
+
+    @property
+    def position(self) -> ShardPosition | None:
+        """What this process holds, to pass to the next `reshard`; None if nothing."""
+        if self._torn:
+            raise ElasticError(
+                "step() was interrupted, so this rank's optimizer state is a step ahead of the "
+                "parameters and cannot be resharded; resume the run from a checkpoint."
+            )
+        if self._layout is None:
+            return None
+        return ShardPosition(self._layout.rank, self._layout.world_size, self._steps)
+
+    def reshard(self, previous: ShardPosition | None, group: dist.ProcessGroup | None = None,
+                leaving: bool = False) -> None:
+        """Lay the state out over `group` (default: WORLD); a collective of all its ranks.
+
+        `previous` is this process's `position` before the group changed, or None to hold
+        nothing (a newcomer). With `leaving=True` this rank only sends and ends up holding
+        nothing; the staying ranks then call `bind` on their smaller group.
+        """
+        if previous is not None and previous != self.position:
+            raise ElasticError(f"reshard(previous={previous}) but this optimizer holds {self.position}; "
+                               "pass its position before the group changed, or None")
+        own = self._own_state() if previous is not None else {}
+        names = _aligned_names(own, self._shard)
+        members: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(members, {
+            "position": previous, "leaving": leaving, "numel": self._numel, "replicas": self._replicas,
+            "dtypes": {name: own[name].dtype for name in names} if previous is not None else None,
+            "scalars": _export_scalars(own, names) if previous is not None else None,
+        }, group=group)
+        for key in ("numel", "replicas"):
+            values = [m[key] for m in members]
+            if len(set(values)) > 1:
+                raise ElasticError(f"The ranks' optimizers differ in {key}: {values} by group rank; "
+                                   "every rank must wrap the same model with the same replicas")
+        stayers = [g for g, m in enumerate(members) if not m["leaving"]]
+        if not stayers:
+            raise ElasticError("Every rank passed leaving=True; at least one rank must keep the state")
+        positions = [m["position"] for m in members]
+        history = agreed_history(positions)
+        holder = next((m for m in members if m["position"] is not None), None)
+        dtypes = holder["dtypes"] if holder else {}
+        transfers = plan_reshard(self._numel, positions, [m["leaving"] for m in members],
+                                 self._replicas) if dtypes else []
+        me = dist.get_rank(group)
+        layout = None if leaving else _Layout(self._numel, len(stayers), stayers.index(me))
+        received, buddies = self._move(transfers, me, layout, dtypes, group)
+        self._install(layout, received, buddies, holder["scalars"] if holder else {},
+                      history[1] if history else 0)
+        self._group = group
+        self._awaits_bind = layout is not None and layout.world_size != dist.get_world_size(group)
+
+    def bind(self, group: dist.ProcessGroup | None = None) -> None:
+        """Step over `group` from now on, after a planned shrink that `reshard` laid out."""
+        layout = self._require_layout()
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if (size, rank) != (layout.world_size, layout.rank):
+            raise ElasticError(
+                f"bind(): this group has world_size={size}, rank={rank}, but the last reshard laid "
+                f"the state out for world_size={layout.world_size}, rank={layout.rank}; form the "
+                "group from the staying ranks in their old order"
+            )
+        self._group, self._awaits_bind = group, False
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201 (torch.optim.Optimizer's signature)
+        """One step of the inner optimizer on this rank's shard, then all-gather the parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        layout = self._require_layout()
+        if self._awaits_bind:
+            raise ElasticError("step() after a planned shrink needs bind(group) on the smaller group first")
+        missing = [i for i, p in enumerate(self._params) if p.grad is None]
+        if missing:
+            raise ElasticError(f"Parameters {missing} have no gradient: ZeRO steps every parameter at every "
+                               "step; pass only parameters that get a gradient, or give them zero ones")
+        start, _ = layout.range()
+        self._torn = True
+        _read(self._params, start, self._shard)
+        self._shard.grad = _read([p.grad for p in self._params], start, torch.empty_like(self._shard))
+        self._inner.param_groups[0].update(self._hyperparameters())  # LR schedulers edit param_groups
+        self._inner.step()
+        gathered = self._padded.new_empty(layout.shard_size * layout.world_size)
+        _all_gather(gathered, self._padded, group=self._group)
+        _write(gathered, self._params)
+        self._refresh_buddies()
+        self._steps += 1
+        self._torn = False
+        return loss
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shard for a checkpoint: plain ints and tensors, loadable with weights_only.
+
+        Its tensors are the live state, not copies: copy them before the next step if they are
+        written in the background.
+        """
+        layout = self._require_layout()
+        own = self._own_state()
+        names = _aligned_names(own, self._shard)
+        start, stop = layout.range()
+        return {"numel": self._numel, "steps": self._steps, "start": start, "stop": stop,
+                "tensors": {name: own[name] for name in names}, "scalars": _export_scalars(own, names)}
+
+    def load_sharded(self, pieces: Sequence[dict[str, Any]]) -> None:
+        """Rebuild this rank's shard and buddy copies from `sharded_state_dict()`s of any world size.
+
+        Local, no communication: `pieces` must cover this rank's range and its buddies' ranges
+        (passing every rank's piece always does). Call it after `reshard(None)` laid the group out.
+        """
+        layout = self._require_layout()
+        if not pieces:
+            raise ElasticError("load_sharded() got no pieces; pass the sharded_state_dict() of every rank")
+        histories = sorted({(p["numel"], p["steps"]) for p in pieces})
+        if len(histories) > 1 or histories[0][0] != self._numel:
+            raise ElasticError(f"The pieces are from (numel, steps) {histories}, this model has numel "
+                               f"{self._numel}; pass the pieces of one checkpoint of this model")
+        dtypes = {name: tensor.dtype for name, tensor in pieces[0]["tensors"].items()}
+        own = self._assemble(pieces, layout.range(), dtypes)
+        buddies = {keeper: self._assemble(pieces, layout.range(keeper), dtypes)
+                   for keeper in buddies_of(layout.rank, layout.world_size, self._replicas)}
+        self._install(layout, own, buddies, pieces[0]["scalars"], histories[0][1])
+
+    def state_bytes_per_rank(self) -> StateBytes:
+        """Bytes of elementwise optimizer state this rank holds, its own shard and buddy copies apart."""
+        own = self._own_state()
+        return StateBytes(own=sum(own[name].nbytes for name in _aligned_names(own, self._shard)),
+                          buddy=sum(t.nbytes for copy in self._buddies.values() for t in copy.values()))
+
+    def state_dict(self) -> dict[str, Any]:
+        raise ElasticError("ShardedOptimizer has no whole state dict: save sharded_state_dict() on "
+                           "every rank and restore with load_sharded()")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise ElasticError("ShardedOptimizer loads its state with load_sharded(), from the "
+                           "sharded_state_dict() of every rank of a checkpoint")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_sealed", False):
+            raise ElasticError("ShardedOptimizer steps one flat vector; add every parameter to the "
+                               "wrapped optimizer before wrapping it")
+        super().add_param_group(param_group)
+
+    def _require_layout(self) -> _Layout:
+        if self._layout is None:
+            raise ElasticError("This ShardedOptimizer holds no layout: call reshard() on the group first "
+                               "(reshard(None) in the first group), or it left the group")
+        return self._layout
+
+    def _hyperparameters(self) -> dict[str, Any]:
+        return {key: value for key, value in self.param_groups[0].items() if key != "params"}
+
+    def _own_state(self) -> dict[str, Any]:
+        return self._inner.state.get(self._shard, {}) if self._inner is not None else {}
+
+    def _move(self, transfers: list[Transfer], me: int, layout: _Layout | None,
+              dtypes: dict[str, torch.dtype], group: dist.ProcessGroup | None
+              ) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+        """Run this rank's part of the plan: (its new own state tensors, its new buddy copies)."""
+        device = self._params[0].device
+
+        def allocate(keeper: int) -> dict[str, torch.Tensor]:
+            return {name: torch.empty(layout.length(keeper), dtype=dtype, device=device)
+                    for name, dtype in dtypes.items()}
+
+        received = allocate(layout.rank) if layout else {}
+        buddies = {keeper: allocate(keeper) for keeper in
+                   (buddies_of(layout.rank, layout.world_size, self._replicas) if layout else [])}
+        own = self._own_state()
+
+        def sent(transfer: Transfer, name: str) -> torch.Tensor:
+            held = own if self._layout.rank == transfer.owner else self._buddies[transfer.owner]
+            offset = transfer.start - self._layout.range(transfer.owner)[0]
+            return held[name][offset:offset + transfer.stop - transfer.start]
+
+        def landing(transfer: Transfer, name: str) -> torch.Tensor:
+            into = received if transfer.keeper == layout.rank else buddies[transfer.keeper]
+            offset = transfer.start - layout.range(transfer.keeper)[0]
+            return into[name][offset:offset + transfer.stop - transfer.start]
+
+        names = sorted(dtypes)
+        ops = []
+        for i, transfer in enumerate(transfers):
+            for j, name in enumerate(names):
+                tag = i * len(names) + j
+                if transfer.source == transfer.target == me:
+                    landing(transfer, name).copy_(sent(transfer, name))
+                elif transfer.source == me:
+                    ops.append(dist.P2POp(dist.isend, sent(transfer, name), group=group,
+                                          group_peer=transfer.target, tag=tag))
+                elif transfer.target == me:
+                    ops.append(dist.P2POp(dist.irecv, landing(transfer, name), group=group,
+                                          group_peer=transfer.source, tag=tag))
+        _exchange(ops)
+        return received, buddies
+
+    def _install(self, layout: _Layout | None, own: dict[str, torch.Tensor],
+                 buddies: dict[int, dict[str, torch.Tensor]], scalars: dict[str, Any], steps: int) -> None:
+        self._layout, self._buddies, self._steps = layout, buddies, steps
+        if layout is None:
+            self._padded = self._shard = self._inner = None
+            return
+        first = self._params[0]
+        self._padded = torch.zeros(layout.shard_size, dtype=first.dtype, device=first.device)
+        self._shard = self._padded[: layout.length()]
+        self._inner = self._make_inner(self._shard)
+        if own or scalars:
+            group = self._inner.param_groups[0]
+            # torch.optim keeps a tensor `step` on the parameter's device only if capturable or fused.
+            device = first.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
+            self._inner.state[self._shard] = {
+                **{k: v.to(device, copy=True) if torch.is_tensor(v) else v for k, v in scalars.items()}, **own}
+
+    def _make_inner(self, shard: torch.Tensor) -> torch.optim.Optimizer:
+        hyperparameters = self._hyperparameters()
+        accepted = inspect.signature(self._optimizer_class).parameters
+        inner = self._optimizer_class([shard], **{k: v for k, v in hyperparameters.items() if k in accepted})
+        inner.param_groups[0].update(hyperparameters)
+        return inner
+
+    def _refresh_buddies(self) -> None:
+        """Send this rank's state to ranks r+1..r+k and take r-1..r-k's into the buddy copies."""
+        layout = self._layout
+        own = self._own_state()
+        names = _aligned_names(own, self._shard)
+        ops = []
+        for j in range(1, min(self._replicas, layout.world_size - 1) + 1):
+            to, owner = (layout.rank + j) % layout.world_size, (layout.rank - j) % layout.world_size
+            copy = self._buddies.get(owner)
+            if copy is None or sorted(copy) != names:  # the first step creates the state
+                copy = self._buddies[owner] = {
+                    name: own[name].new_empty(layout.length(owner)) for name in names}
+            for i, name in enumerate(names):
+                tag = j * len(names) + i
+                if own[name].numel():
+                    ops.append(dist.P2POp(dist.isend, own[name], group=self._group,
+                                          group_peer=to, tag=tag))
+                if copy[name].numel():
+                    ops.append(dist.P2POp(dist.irecv, copy[name], group=self._group,
+                                          group_peer=owner, tag=tag))
+        _exchange(ops)
+
+    def _assemble(self, pieces: Sequence[dict[str, Any]], span: tuple[int, int],
+                  dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        start, stop = span
+        device = self._params[0].device
+        out = {name: torch.empty(stop - start, dtype=dtype, device=device) for name, dtype in dtypes.items()}
+        covered = start
+        for piece in sorted(pieces, key=lambda p: p["start"]):
+            begin, end = max(covered, piece["start"]), min(stop, piece["stop"])
+            if end <= begin:
+                continue  # wholly before what is covered, or after the range
+            if begin > covered:
+                break  # a gap
+            offset = piece["start"]
+            for name in dtypes:
+                out[name][begin - start:end - start].copy_(piece["tensors"][name][begin - offset:end - offset])
+            covered = max(covered, end)
+        if covered < stop:
+            raise ElasticError(f"The pieces do not cover elements [{covered}, {stop}) that this rank needs "
+                               f"(its range or a buddy's); pass the pieces of every rank of the checkpoint")
+        return out
+
+
+def _check_wrappable(optimizer: torch.optim.Optimizer, replicas: int) -> None:
+    if isinstance(optimizer, ShardedOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
+        raise ElasticError(f"ShardedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if replicas < 0:
+        raise ElasticError(f"replicas={replicas}: it counts buddy copies, 0 (none) or more")
+    if len(optimizer.param_groups) != 1:
+        raise ElasticError(
+            f"The optimizer has {len(optimizer.param_groups)} param groups; ShardedOptimizer steps one "
+            "flat vector under one set of hyperparameters. Build it over all parameters in one group."
+        )
+    if any(optimizer.state.values()):
+        raise ElasticError("The optimizer has stepped already and holds state; wrap it before its first "
+                           "step, and restore a checkpoint's state with load_sharded()")
+    params = optimizer.param_groups[0]["params"]
+    kinds = sorted({f"{p.dtype} on {p.device}" for p in params})
+    if len(kinds) > 1:
+        raise ElasticError(f"The parameters mix dtypes or devices ({', '.join(kinds)}); ShardedOptimizer "
+                           "flattens them into one vector: move the model to one dtype and device")
+    frozen = [i for i, p in enumerate(params) if not p.requires_grad]
+    if frozen:
+        raise ElasticError(f"Parameters {frozen} do not require grad; pass only trainable parameters")
+    if sum(p.numel() for p in params) == 0:
+        raise ElasticError("The parameters have no elements to optimize")
+
+
+def _aligned_names(state: dict[str, Any], shard: torch.Tensor | None) -> list[str]:
+    """The state entries that are elementwise, one value per element of the shard."""
+    return sorted(name for name, value in state.items()
+                  if torch.is_tensor(value) and shard is not None and value.shape == shard.shape)
+
+
+def _export_scalars(state: dict[str, Any], aligned: list[str]) -> dict[str, Any]:
+    """The per-shard entries that are the same on every rank (Adam's `step`), on the CPU."""
+    return {name: value.detach().cpu().clone() if torch.is_tensor(value) else value
+            for name, value in state.items() if name not in aligned}
+
+
+def _read(tensors: Sequence[torch.Tensor], start: int, out: torch.Tensor) -> torch.Tensor:
+    """Copy elements [start, start + len(out)) of `tensors` laid end to end into `out`."""
+    stop, offset = start + out.numel(), 0
+    for tensor in tensors:
+        begin, end = max(start, offset), min(stop, offset + tensor.numel())
+        if begin < end:
+            out[begin - start:end - start].copy_(tensor.reshape(-1)[begin - offset:end - offset])
+        offset += tensor.numel()
+    return out
+
+
+def _write(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy `flat`'s leading elements into `tensors`, laid end to end."""
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
+def _exchange(ops: list[dist.P2POp]) -> None:
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
