@@ -308,6 +308,15 @@ def _parse_options(field: str, text: str, kinds: dict[str, dict[str, type]], usa
     return parsed
 
 
+def check_strategy_fits(strategy: Strategy, checkpoint: CheckpointConfig) -> None:
+    """Checks between the strategy and the checkpoint schedule; raises ValueError."""
+    every = strategy.sync_options.get("every")
+    if every and checkpoint.every_steps and checkpoint.every_steps % every:
+        raise ValueError(f"CheckpointConfig(every_steps={checkpoint.every_steps}) is not a multiple of the "
+                         f"{strategy.sync_options['kind']} interval {every} (sync={strategy.sync!r}): only the state of a "
+                         f"sync is checkpointed; use every_steps={every * max(1, checkpoint.every_steps // every)}")
+
+
 def check_fits(scaling: ScalingConfig, data: DataConfig) -> None:
     """Cross-config checks that need both models; raises ValueError with the numbers."""
     if data.global_batch_size < scaling.max_workers:

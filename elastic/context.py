@@ -169,6 +169,7 @@ class TrainContext:
         self._checkpoint_files: dict[str, bytes] = {}
         self._checkpoint_metadata: dict[str, Any] = {}
         self._last_checkpoint = time.monotonic()
+        self._last_checkpoint_step = -1
         self.checkpoint: Checkpoint | None = None
         self._launched = 0
         self._entered_sync = 0
@@ -239,7 +240,7 @@ class TrainContext:
         self._objects["model"] = model
         self._gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         if self.strategy.sync_options["kind"] != "ddp":
-            self._outer = OuterSync(self.strategy.sync_options, model)
+            self._outer = OuterSync(self.strategy.sync_options, model, self.data_config.max_steps)
             self._objects["outer_sync"] = self._outer
         options = self.strategy.compression_options
         if options["kind"] == "powersgd":
@@ -416,6 +417,8 @@ class TrainContext:
         if step is None or step.committed:
             return
         step.committed = True
+        if isinstance(self._gradient_codec, PowerSGD):
+            self._gradient_codec.commit()
         self._step_index += 1
         self._cursor = self._cursor.advance(self.data_config.global_batch_size, len(self._dataset))
 
@@ -444,6 +447,8 @@ class TrainContext:
             step.failed = f"{type(exc).__name__}: {exc}"
             if not step.committed and self._optimizer is not None:
                 self._optimizer.zero_grad(set_to_none=True)
+            if not step.committed and isinstance(self._gradient_codec, PowerSGD):
+                self._gradient_codec.discard()
             return True
         return False
 
@@ -479,9 +484,17 @@ class TrainContext:
         if self._outer is not None:
             # Only the state of the last sync is the same on every rank, and a run resumes there.
             states, progress = self._backup.states()
+            if progress["step"] == self._last_checkpoint_step:
+                return  # no sync since the last checkpoint: nothing new to keep
         else:
             states = {name: state_of(obj) for name, obj in self._objects.items()}
             progress = {"step": self._step_index, "cursor": self._cursor.to_dict()}
+        # Each rank writes a slice of the state: the parts that differ between ranks are
+        # averaged first (every rank checkpoints at the same step), so the slices fit together.
+        for name, key in self._per_rank_keys():
+            states[name] = {**states[name], key: average_over_holders(states[name][key], states[name][key],
+                                                                      self.device)}
+        self._last_checkpoint_step = progress["step"]
         snapshot = take_snapshot(states, progress)
         optimizer_shard = _copied(self._zero.sharded_state_dict()) if self._zero is not None else None
         crash = self.faults.crash_checkpoint(self.rank, self._step_index)
@@ -565,8 +578,10 @@ class TrainContext:
             if spec.resume_from is not None and spec.rank == 0:
                 self._restore(spec.resume_from)
         holds_state = self._holds_state and not spec.restart
-        sharded = self._sharded_position() if holds_state else None
+        sharded = self._zero.position if self._zero is not None and holds_state else None
         self._rolled_back = self._roll_back_to_last_sync() if holds_state else 0
+        if isinstance(self._gradient_codec, PowerSGD):
+            self._gradient_codec.discard()  # a step that failed in the old generation is redone
         per_rank = self._per_rank_states()
         held = {name: get() for name, (get, _) in per_rank.items()}
         held_step = self._step_index
@@ -576,9 +591,10 @@ class TrainContext:
         self._step_index = progress["step"]
         self._cursor = data_math.DataCursor(**progress["cursor"])
         for name, (get, put) in per_rank.items():
-            put(average_over_holders(get(), held[name] if holds_state and held_step == self._step_index else None))
+            put(average_over_holders(get(), held[name] if holds_state and held_step == self._step_index else None,
+                                     self.device))
         if self._zero is not None:
-            self._zero.reshard(sharded if held_step == self._step_index else None)
+            self._zero.reshard(sharded, steps=self._step_index)
             if spec.restart and spec.resume_from is not None:
                 self._zero.load_sharded(spec.resume_from.load_optimizer_shards())
         if self._outer is not None:
@@ -592,6 +608,11 @@ class TrainContext:
         return {"leave_s": started - left, "barrier_s": arrived - started, "connect_s": connected - arrived,
                 "sync_s": done - connected}
 
+    def _per_rank_keys(self) -> list[tuple[str, str]]:
+        """(registered object, key of its state dict) of each state that differs between ranks."""
+        keys = [("optimizer", "state")] if self._outer is not None and self._optimizer is not None else []
+        return keys + ([("powersgd", "error")] if isinstance(self._gradient_codec, PowerSGD) else [])
+
     def _per_rank_states(self) -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
         """The state each rank keeps for itself, as (get, put): averaged over the ranks that
         held it at each new generation (local SGD's inner optimizer, PowerSGD's errors)."""
@@ -603,16 +624,6 @@ class TrainContext:
         if isinstance(self._gradient_codec, PowerSGD):
             states["powersgd"] = (self._gradient_codec.local_state, self._gradient_codec.load_local_state)
         return states
-
-    def _sharded_position(self):
-        """What this rank holds of a ZeRO optimizer's state, to reshard from; None if nothing
-        usable (a death inside its step left it a step ahead of the parameters)."""
-        if self._zero is None:
-            return None
-        try:
-            return self._zero.position
-        except ElasticError:
-            return None
 
     def _roll_back_to_last_sync(self) -> int:
         """Under local SGD, go back to the last sync if this rank is past it; the steps undone.

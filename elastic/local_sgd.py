@@ -38,9 +38,10 @@ from elastic.state_sync import load_into, state_of
 class OuterSync:
     """The periodic sync of one run on one worker; registered with the run as replicated state."""
 
-    def __init__(self, options: dict[str, Any], model: torch.nn.Module) -> None:
+    def __init__(self, options: dict[str, Any], model: torch.nn.Module, max_steps: int) -> None:
         self.kind = options["kind"]
         self.every = options["every"]
+        self.max_steps = max_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.syncs = 0  # all-reduces done, and the bytes this rank handed to them
         self.bytes_sent = 0
@@ -53,8 +54,8 @@ class OuterSync:
                                          nesterov=momentum > 0)
 
     def due(self, step: int) -> bool:
-        """Whether committed step `step` ends an interval."""
-        return step % self.every == 0
+        """Whether committed step `step` ends an interval (the run's last step ends one too)."""
+        return step % self.every == 0 or step == self.max_steps
 
     def sync(self) -> None:
         """The interval's collective: average the parameters, or DiLoCo's outer step."""

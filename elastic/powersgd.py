@@ -26,6 +26,7 @@ first, as torch's `start_powerSGD_iter` does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -42,6 +43,9 @@ class PowerSGD:
         self.rng = torch.Generator().manual_seed(seed)
         self.q: dict[int, torch.Tensor] = {}
         self.error: dict[int, torch.Tensor] = {}
+        # What the step in flight changes, applied only when it commits: a step that fails
+        # is redone, and its gradient must not be in the error buffers twice.
+        self._staged = _Staged()
         self.bytes_sent = 0
         self._index = {id(p): i for i, p in enumerate(params)}
 
@@ -54,14 +58,28 @@ class PowerSGD:
             self.bytes_sent += buffer.numel() * buffer.element_size()
             future = reduce(buffer.div_(world_size))
         else:
-            self._compress(bucket, world_size)
+            self._compress(bucket, world_size, reduce)
             future = torch.futures.Future()
             future.set_result(buffer)
         if bucket.is_last():
-            self.iter += 1
+            self._staged.iters = 1
         return future
 
-    def _compress(self, bucket: dist.GradBucket, world_size: int) -> None:
+    def commit(self) -> None:
+        """The step committed: keep what it changed."""
+        self.q.update(self._staged.q)
+        self.error.update(self._staged.error)
+        self.iter += self._staged.iters
+        self._staged = _Staged()
+
+    def discard(self) -> None:
+        """The step failed and will be redone: forget what it changed."""
+        if self._staged.rng is not None:
+            self.rng.set_state(self._staged.rng)
+        self._staged = _Staged()
+
+    def _compress(self, bucket: dist.GradBucket, world_size: int,
+                  reduce: Callable[[torch.Tensor], torch.futures.Future]) -> None:
         matrices, plain = [], []
         for param, grad in zip(bucket.parameters(), bucket.gradients()):
             matrix = grad.view(grad.shape[0], -1) if grad.dim() > 1 else None
@@ -72,37 +90,45 @@ class PowerSGD:
                 plain.append(grad)
         if plain:
             flat = torch.cat([g.reshape(-1) for g in plain])
-            self._send(flat)
+            self._send(flat, reduce)
             flat.div_(world_size)
             for grad, part in zip(plain, flat.split([g.numel() for g in plain])):
                 grad.copy_(part.view_as(grad))
         if not matrices:
             return
-        wanted = {}
+        staged = self._staged
+        wanted, warm = {}, {}
         for index, matrix, rank in matrices:
             if index in self.error:
                 matrix.add_(self.error[index])
             wanted[index] = matrix.clone()
-            if index not in self.q:
-                self.q[index] = torch.randn(matrix.shape[1], rank, generator=self.rng, dtype=matrix.dtype).to(matrix.device)
-            self.q[index] = _orthonormal(self.q[index])
-        ps = [matrix @ self.q[index] for index, matrix, _ in matrices]
-        ps = [_orthonormal(p) for p in self._sum(ps)]
+            # The generator draws a first Q once per parameter: a redone step draws it again,
+            # so it is saved before and restored if the step fails (with the rest, at commit).
+            q = self.q.get(index)
+            if q is None:
+                if staged.rng is None:
+                    staged.rng = self.rng.get_state()
+                q = torch.randn(matrix.shape[1], rank, generator=self.rng, dtype=matrix.dtype).to(matrix.device)
+            warm[index] = _orthonormal(q)
+        ps = [matrix @ warm[index] for index, matrix, _ in matrices]
+        ps = [_orthonormal(p) for p in self._sum(ps, reduce)]
         qs = [matrix.t() @ p for (_, matrix, _), p in zip(matrices, ps)]
-        qs = [q.div_(world_size) for q in self._sum(qs)]
+        qs = [q.div_(world_size) for q in self._sum(qs, reduce)]
         for (index, matrix, _), p, q in zip(matrices, ps, qs):
-            self.q[index] = q
+            staged.q[index] = q
             torch.matmul(p, q.t(), out=matrix)
-            self.error[index] = wanted[index] - matrix
+            staged.error[index] = wanted[index] - matrix
 
-    def _sum(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _sum(self, tensors: list[torch.Tensor],
+             reduce: Callable[[torch.Tensor], torch.futures.Future]) -> list[torch.Tensor]:
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        self._send(flat)
+        self._send(flat, reduce)
         return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
-    def _send(self, flat: torch.Tensor) -> None:
+    def _send(self, flat: torch.Tensor, reduce: Callable[[torch.Tensor], torch.futures.Future]) -> None:
+        """Sum `flat` across ranks in place, through the generation's abortable all-reduce."""
         self.bytes_sent += flat.numel() * flat.element_size()
-        dist.all_reduce(flat)
+        reduce(flat).wait()
 
     # --- the state a heal or a grow carries -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -120,6 +146,16 @@ class PowerSGD:
 
     def load_local_state(self, error: dict[int, torch.Tensor]) -> None:
         self.error = dict(error)
+
+
+@dataclass
+class _Staged:
+    """What the step in flight changed: new Qs and errors, iterations, the generator before."""
+
+    q: dict[int, torch.Tensor] = field(default_factory=dict)
+    error: dict[int, torch.Tensor] = field(default_factory=dict)
+    iters: int = 0
+    rng: torch.Tensor | None = None
 
 
 def _orthonormal(matrix: torch.Tensor) -> torch.Tensor:

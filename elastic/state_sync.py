@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.errors import ElasticError
 from elastic.flat_state import buffer_dtype, flatten, unflatten
 
 
@@ -66,22 +67,28 @@ def sync_state(objects: dict[str, Any], progress: dict[str, Any], device: torch.
     return result, received["progress"]
 
 
-def average_over_holders(current: Any, mine: Any | None) -> Any:
+def average_over_holders(current: Any, mine: Any | None, device: torch.device) -> Any:
     """A per-rank state averaged over the ranks that hold one, for every rank of the group.
 
-    `current` is this rank's state as synced (every rank's has the same structure); `mine` is
-    what this rank held before the sync, or None if it held none (a newcomer). Floating
-    tensors become the mean over the holders; anything else stays as synced. A collective:
-    every rank of the group calls it.
+    `current` is this rank's state as synced; `mine` is what this rank held before the sync,
+    or None if it held none (a newcomer). Floating tensors become the mean over the holders;
+    anything else stays as synced. A collective: every rank of the group calls it, and the
+    ranks first agree that their states have one shape, since gloo kills a process whose
+    collective differs in size from its peers'.
     """
-    device = torch.device("cpu")
     structure, buffers = flatten(current, device)
+    shape = {dtype: buffer.numel() for dtype, buffer in buffers.items()}
+    own = flatten(mine, device)[1] if mine is not None else None
+    if own is not None and {k: v.numel() for k, v in own.items()} != shape:
+        own = None  # a state of another shape (before its first step): not comparable
+    shapes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shapes, shape)
+    if any(other != shape for other in shapes):
+        raise ElasticError(f"the ranks' per-rank states differ in shape ({shapes}, by rank), so they cannot be "
+                           "averaged; this is a bug in elastic: please report it with the run's events")
     if not buffers:
         return current
-    own = flatten(mine, device)[1] if mine is not None else None
-    if own is not None and {k: v.numel() for k, v in own.items()} != {k: v.numel() for k, v in buffers.items()}:
-        own = None  # a state of another shape (before its first step): not comparable
-    holders = torch.tensor([float(own is not None)], dtype=torch.float64)
+    holders = torch.tensor([float(own is not None)], dtype=torch.float64, device=device)
     dist.all_reduce(holders)
     if holders.item() == 0:
         return current

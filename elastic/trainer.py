@@ -21,7 +21,7 @@ from typing import Any, Callable
 import ray
 
 from elastic.checkpoint import Checkpoint
-from elastic.config import DataConfig, RunConfig, ScalingConfig, Strategy, check_fits
+from elastic.config import DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_strategy_fits
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
 from elastic.events import read_events
 from elastic.faults import Fault, check_faults
@@ -85,6 +85,7 @@ class ElasticTrainer:
         self.run_config = run_config
         self.data_config = data_config
         self.strategy = strategy or Strategy()
+        check_strategy_fits(self.strategy, run_config.checkpoint_config)
         self.address = address or os.environ.get("RAY_ADDRESS")
         self.show_progress = show_progress
 

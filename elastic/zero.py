@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.errors import ElasticError
+from elastic.group import is_peer_failure
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; pyproject allows torch 2.4.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -80,11 +81,18 @@ class ShardLostError(ElasticError):
 
 @dataclass(frozen=True)
 class ShardPosition:
-    """The shard a process held: `rank` in a group of `world_size`, after `steps` steps."""
+    """The shard a process held: `rank` in a group of `world_size`, its own state after `steps`
+    steps and its buddy copies after `buddy_steps` (None: the same; -1: no usable copy)."""
 
     rank: int
     world_size: int
     steps: int
+    buddy_steps: int | None = None
+
+    def holds(self, steps: int) -> list[str]:
+        """Which of its copies are of the state after `steps` steps: "own", "buddies"."""
+        buddy_steps = self.steps if self.buddy_steps is None else self.buddy_steps
+        return [kind for kind, at in (("own", self.steps), ("buddies", buddy_steps)) if at == steps]
 
 
 @dataclass(frozen=True)
@@ -122,14 +130,16 @@ def buddies_of(rank: int, world_size: int, replicas: int) -> list[int]:
     return [(rank - j) % world_size for j in range(1, min(replicas, world_size - 1) + 1)]
 
 
-def agreed_history(positions: Sequence[ShardPosition | None]) -> tuple[int, int] | None:
-    """(old world size, steps) that every holder agrees on; None if nobody holds state."""
+def agreed_history(positions: Sequence[ShardPosition | None],
+                   steps_may_differ: bool = False) -> tuple[int, int] | None:
+    """(old world size, steps) that every holder agrees on; None if nobody holds state.
+    With `steps_may_differ` only the group must agree, and steps is the most any holds."""
     held = [p for p in positions if p is not None]
     if not held:
         return None
-    histories = {(p.world_size, p.steps) for p in held}
+    histories = {(p.world_size, 0 if steps_may_differ else p.steps) for p in held}
     ranks = sorted(p.rank for p in held)
-    world_size, steps = held[0].world_size, held[0].steps
+    world_size, steps = held[0].world_size, max(p.steps for p in held)
     if len(histories) > 1 or len(set(ranks)) < len(ranks) or not all(0 <= r < world_size for r in ranks):
         raise ElasticError(
             f"The processes hold optimizer state of different groups: {held}. Each must pass the "
@@ -139,22 +149,29 @@ def agreed_history(positions: Sequence[ShardPosition | None]) -> tuple[int, int]
 
 
 def plan_reshard(
-    numel: int, positions: Sequence[ShardPosition | None], leaving: Sequence[bool], replicas: int
+    numel: int, positions: Sequence[ShardPosition | None], leaving: Sequence[bool], replicas: int,
+    steps: int | None = None,
 ) -> list[Transfer]:
     """Every piece each staying rank needs and who sends it; the same list on every rank.
 
     `positions[g]` is what group rank g holds and `leaving[g]` says whether it leaves after
-    sending. The staying ranks, in group order, become new ranks 0, 1, ... Raises
+    sending. The staying ranks, in group order, become new ranks 0, 1, ... `steps` is the step
+    the group resumes at: only copies of the state after that many steps are used (a death
+    inside a step leaves some ranks' own shard, or their buddy copies, a step off). Raises
     `ShardLostError` if a needed piece has no holder.
     """
-    history = agreed_history(positions)
+    history = agreed_history(positions, steps is not None)
     if history is None:
         return []
-    old_size, steps = history
+    old_size, agreed = history
+    steps = agreed if steps is None else steps
     copies: dict[int, list[int]] = {}
     for g, position in enumerate(positions):
         if position is not None:
-            for owner in [position.rank, *buddies_of(position.rank, old_size, replicas)]:
+            held = position.holds(steps)
+            owners = ([position.rank] if "own" in held else []) + (
+                buddies_of(position.rank, old_size, replicas) if "buddies" in held else [])
+            for owner in owners:
                 copies.setdefault(owner, []).append(g)
 
     def source(owner: int, target: int) -> int | None:
@@ -231,28 +248,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._shard: torch.Tensor | None = None  # the inner optimizer's only parameter
         self._inner: torch.optim.Optimizer | None = None
         self._buddies: dict[int, dict[str, torch.Tensor]] = {}
-        self._steps = 0
-        self._torn = False
+        self._steps = 0  # steps taken by this rank's own shard of the state
+        self._buddy_steps = 0  # ... and by its buddy copies; -1 while (or after) they are being refreshed
+        self._resharding = False
 
     @property
     def position(self) -> ShardPosition | None:
-        """What this process holds, to pass to the next `reshard`; None if nothing."""
-        if self._torn:
-            raise ElasticError(
-                "step() was interrupted, so this rank's optimizer state is a step ahead of the "
-                "parameters and cannot be resharded; resume the run from a checkpoint."
-            )
-        if self._layout is None:
+        """What this process holds, to pass to the next `reshard`; None if nothing usable (a
+        reshard broke off midway)."""
+        if self._layout is None or self._resharding:
             return None
-        return ShardPosition(self._layout.rank, self._layout.world_size, self._steps)
+        return ShardPosition(self._layout.rank, self._layout.world_size, self._steps, self._buddy_steps)
 
     def reshard(self, previous: ShardPosition | None, group: dist.ProcessGroup | None = None,
-                leaving: bool = False) -> None:
+                leaving: bool = False, steps: int | None = None) -> None:
         """Lay the state out over `group` (default: WORLD); a collective of all its ranks.
 
         `previous` is this process's `position` before the group changed, or None to hold
         nothing (a newcomer). With `leaving=True` this rank only sends and ends up holding
-        nothing; the staying ranks then call `bind` on their smaller group.
+        nothing; the staying ranks then call `bind` on their smaller group. `steps` is the step
+        the group resumes at (default: the one the holders agree on): after a death inside a
+        step, only the copies of the state after that many steps are used.
         """
         if previous is not None and previous != self.position:
             raise ElasticError(f"reshard(previous={previous}) but this optimizer holds {self.position}; "
@@ -278,12 +294,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         holder = next((m for m in members if m["position"] is not None), None)
         dtypes = holder["dtypes"] if holder else {}
         transfers = plan_reshard(self._numel, positions, [m["leaving"] for m in members],
-                                 self._replicas) if dtypes else []
+                                 self._replicas, steps) if dtypes else []
+        self._resharding = True
         me = dist.get_rank(group)
         layout = None if leaving else _Layout(self._numel, len(stayers), stayers.index(me))
         received, buddies = self._move(transfers, me, layout, dtypes, group)
         self._install(layout, received, buddies, holder["scalars"] if holder else {},
-                      history[1] if history else 0)
+                      steps if steps is not None else (history[1] if history else 0))
+        self._resharding = False
         self._group = group
         self._awaits_bind = layout is not None and layout.world_size != dist.get_world_size(group)
 
@@ -314,17 +332,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ElasticError(f"Parameters {missing} have no gradient: ZeRO steps every parameter at every "
                                "step; pass only parameters that get a gradient, or give them zero ones")
         start, _ = layout.range()
-        self._torn = True
         _read(self._params, start, self._shard)
         self._shard.grad = _read([p.grad for p in self._params], start, torch.empty_like(self._shard))
         self._inner.param_groups[0].update(self._hyperparameters())  # LR schedulers edit param_groups
         self._inner.step()
+        self._steps += 1
         gathered = self._padded.new_empty(layout.shard_size * layout.world_size)
         _all_gather(gathered, self._padded, group=self._group)
         _write(gathered, self._params)
-        self._refresh_buddies()
-        self._steps += 1
-        self._torn = False
+        # The step is taken: the parameters are written. A peer lost during the buddy refresh
+        # leaves the copies half received, so they count for nothing, but the step commits and
+        # the heal that follows finds the lost pieces elsewhere.
+        self._buddy_steps = -1
+        try:
+            self._refresh_buddies()
+        except Exception as exc:
+            if not is_peer_failure(exc):
+                raise
+            return loss
+        self._buddy_steps = self._steps
         return loss
 
     def sharded_state_dict(self) -> dict[str, Any]:
@@ -434,7 +460,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _install(self, layout: _Layout | None, own: dict[str, torch.Tensor],
                  buddies: dict[int, dict[str, torch.Tensor]], scalars: dict[str, Any], steps: int) -> None:
-        self._layout, self._buddies, self._steps = layout, buddies, steps
+        self._layout, self._buddies, self._steps, self._buddy_steps = layout, buddies, steps, steps
         if layout is None:
             self._padded = self._shard = self._inner = None
             return

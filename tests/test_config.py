@@ -7,7 +7,7 @@ import pyarrow.fs as pafs
 import pytest
 from pydantic import ValidationError
 
-from elastic import DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy, parse_fault
+from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy, parse_fault
 from elastic.checkpoint import Checkpoint
 from elastic.config import check_fits
 from elastic.errors import ElasticError
@@ -294,3 +294,14 @@ def test_zero_with_a_technique_it_does_not_combine_with_is_rejected_saying_why()
         Strategy(zero=1, precision="fp16")
     with pytest.raises(ValidationError, match=r"zero\n  Input should be 0 or 1"):
         Strategy(zero=3)
+
+
+def test_a_checkpoint_schedule_off_the_local_sgd_interval_is_rejected_with_one_that_fits(tmp_path):
+    with pytest.raises(ValueError, match=r"CheckpointConfig\(every_steps=12\) is not a multiple of the local_sgd "
+                       r"interval 8 \(sync='local_sgd:every=8'\): only the state of a sync is checkpointed; use "
+                       r"every_steps=8"):
+        ElasticTrainer(lambda: None, scaling_config=ScalingConfig(),
+                       run_config=RunConfig(name="x", storage_path=str(tmp_path),
+                                            checkpoint_config=CheckpointConfig(every_steps=12)),
+                       data_config=DataConfig(global_batch_size=8, micro_batch_size=8, max_steps=24),
+                       strategy=Strategy(sync="local_sgd:every=8"))

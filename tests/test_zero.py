@@ -342,3 +342,17 @@ def test_an_optimizer_that_has_stepped_is_refused():
     optimizer.step()
     with pytest.raises(ElasticError, match="has stepped already"):
         ShardedOptimizer(optimizer)
+
+
+def test_a_death_inside_a_step_uses_only_the_copies_of_the_step_the_group_resumes_at():
+    # Old rank 1 of 3 died during the all-gather: ranks 0 and 2 stepped their own shards to
+    # step 6 but hold buddy copies of step 5.
+    torn = [ShardPosition(0, 3, 6, 5), ShardPosition(2, 3, 6, 5)]
+    with pytest.raises(ShardLostError) as at_5:
+        plan_reshard(12, torn, [False, False], replicas=1, steps=5)  # nobody wrote step 6's parameters
+    assert at_5.value.lost_ranks == [0], "old rank 0's step-5 state was only in the dead rank's buddy copy"
+    with pytest.raises(ShardLostError) as at_6:
+        plan_reshard(12, torn, [False, False], replicas=1, steps=6)  # someone did: own shards count
+    assert at_6.value.lost_ranks == [1], "old rank 1's step-6 state was never copied"
+    transfers = plan_reshard(12, torn, [False, False], replicas=2, steps=5)  # two buddies each
+    assert {t.owner for t in transfers} == {0, 1, 2} and all(t.source in (0, 1) for t in transfers)

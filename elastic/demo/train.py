@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import elastic
-from elastic.config import CheckpointConfig, DataConfig, RunConfig, ScalingConfig, Strategy, check_fits
+from elastic.config import (
+    CheckpointConfig, DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_strategy_fits,
+)
 from elastic.demo.corpus import DEFAULT_MAX_BYTES, DEFAULT_SEQ_LEN, VOCAB_SIZE, prepare_corpus
 from elastic.demo.model import ModelConfig, TinyLM
 from elastic.events import events_of
@@ -57,6 +59,7 @@ class DemoConfig(BaseModel):
     def _check(self) -> "DemoConfig":
         # Surface every cross-field problem now, in the driver, before Ray starts anything.
         check_fits(self.scaling_config(), self.data_config())
+        check_strategy_fits(self.strategy, self.run_config().checkpoint_config)
         check_faults(self.faults, self.steps, self.max_workers)
         return self
 
@@ -68,8 +71,10 @@ class DemoConfig(BaseModel):
                           max_steps=self.steps, seed=self.seed)
 
     def run_config(self) -> RunConfig:
+        # Local SGD checkpoints only at its syncs: round the interval up to a multiple of them.
+        every = self.strategy.sync_options.get("every", 1)
         return RunConfig(name=self.name, storage_path=self.storage_path,
-                         checkpoint_config=CheckpointConfig(every_steps=self.checkpoint_every))
+                         checkpoint_config=CheckpointConfig(every_steps=-(-self.checkpoint_every // every) * every))
 
 
 def default_fault(steps: int) -> Fault:
