@@ -27,7 +27,6 @@ class Precision:
     """One run's precision on one worker: autocast for the forward, loss scaling for fp16."""
 
     def __init__(self, mode: str, device: torch.device) -> None:
-        self.mode = mode
         self.device = device
         self.dtype = DTYPES.get(mode)
         self.scaler = torch.amp.GradScaler(device.type) if mode == "fp16" else None

@@ -45,9 +45,13 @@ the new group, without the dead; their pieces come from buddy copies.
 
 Limits: one param group, with all parameters of one dtype and device. The inner optimizer must
 be elementwise (SGD, Adam, AdamW, Adagrad, RMSprop): a per-tensor rule such as LAMB's trust
-ratio would see one tensor per shard. Every parameter needs a gradient at every step. `step()`
-is not transactional: after a failure inside it, the state on this rank is a step ahead of
-the parameters, so `position` raises and the run resumes from a checkpoint.
+ratio would see one tensor per shard. Every parameter needs a gradient at every step.
+
+A death inside `step()`. The own shard steps before the all-gather and the buddy copies are
+refreshed after it, so a `position` names the step of each (`ShardPosition.holds`), and a
+reshard at the step the group resumes at uses only copies of that step: ranks whose gather
+failed after their shard stepped are served by their buddies; a refresh that broke off counts
+for nothing, but the step itself is taken, since the parameters were written.
 """
 
 from __future__ import annotations
