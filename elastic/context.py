@@ -36,7 +36,6 @@ from torch.nn.parallel import DistributedDataParallel
 from elastic import data as data_math
 from elastic.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, take_snapshot
 from elastic.collectives import Collectives
-from elastic.compression import GradientCompression
 from elastic.config import CheckpointConfig, DataConfig, Strategy
 from elastic.errors import ElasticError, WorkerEvictedError
 from elastic.faults import Fault
@@ -53,12 +52,9 @@ from elastic.group import (
     leave_group,
     rendezvous,
 )
-from elastic.local_sgd import Backup, OuterSync
 from elastic.mailbox import GenerationMailbox
-from elastic.powersgd import PowerSGD
-from elastic.precision import Precision
-from elastic.state_sync import average_over_holders, load_into, state_of, sync_state
-from elastic.zero import ShardedOptimizer
+from elastic.state_sync import load_into, state_of, sync_state
+from elastic.techniques import Techniques
 
 # Steps between the boundary all-reduces that agree on time-based checkpoints (only runs with
 # CheckpointConfig(every_s) launch them). The step index decides, so every rank checks at the
@@ -139,7 +135,7 @@ class ElasticDDP:
     def __call__(self, *args, **kwargs):
         if not self.formed:
             raise ElasticError("the prepared model is used before ctx.steps() formed the first generation")
-        return self._ctx._precision.forward(self.ddp or self.module, *args, **kwargs)
+        return self._ctx.techniques.precision.forward(self.ddp or self.module, *args, **kwargs)
 
     def __getattr__(self, name: str):
         return getattr(self.module, name)
@@ -169,7 +165,6 @@ class TrainContext:
         self._checkpoint_files: dict[str, bytes] = {}
         self._checkpoint_metadata: dict[str, Any] = {}
         self._last_checkpoint = time.monotonic()
-        self._last_checkpoint_step = -1
         self.checkpoint: Checkpoint | None = None
         self._launched = 0
         self._entered_sync = 0
@@ -187,15 +182,8 @@ class TrainContext:
         self._report_sink = report_sink
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
         self.strategy = strategy
-        self._precision = Precision(strategy.precision, self.device)
-        casting = strategy.compression if strategy.compression in ("fp16", "bf16") else "none"
-        # What `_allreduce_hook` does to each gradient bucket (PowerSGD from prepare_model on).
-        self._gradient_codec: GradientCompression | PowerSGD = GradientCompression(casting)
+        self.techniques = Techniques(strategy, self.device, data_config.max_steps, data_config.seed)
         self._hooked = False  # DDP's all-reduce goes through `_allreduce_hook`, which counts its bytes
-        self._gradient_bytes = 0  # what one step's gradient sync hands to the all-reduce, unhooked
-        self._outer: OuterSync | None = None  # local SGD / DiLoCo
-        self._zero: ShardedOptimizer | None = None  # the prepared optimizer under Strategy(zero=1)
-        self._backup = Backup()  # local SGD's state at its last sync
         self._rolled_back = 0
         self.spec: GenerationSpec | None = None
         self._store = StoreClient()
@@ -238,15 +226,7 @@ class TrainContext:
         model.to(self.device)
         self._model = ElasticDDP(self, model)
         self._objects["model"] = model
-        self._gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        if self.strategy.sync_options["kind"] != "ddp":
-            self._outer = OuterSync(self.strategy.sync_options, model, self.data_config.max_steps)
-            self._objects["outer_sync"] = self._outer
-        options = self.strategy.compression_options
-        if options["kind"] == "powersgd":
-            self._gradient_codec = PowerSGD(list(model.parameters()), options["rank"], options["start_iter"],
-                                            seed=self.data_config.seed)
-            self._objects["powersgd"] = self._gradient_codec
+        self.techniques.prepare_model(model, self._objects)
         return self._model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -257,20 +237,13 @@ class TrainContext:
         """
         if self._optimizer is not None:
             raise ElasticError("prepare_optimizer() was called twice; elastic syncs one optimizer per run")
-        if self.strategy.zero:
-            optimizer = self._zero = ShardedOptimizer(optimizer)
-        else:
-            self._objects["optimizer"] = optimizer
-        self._optimizer = optimizer
+        optimizer = self._optimizer = self.techniques.prepare_optimizer(optimizer, self._objects)
         optimizer.register_step_post_hook(lambda *_: self._commit())
-        if self._precision.scaler is not None:
-            self._objects["grad_scaler"] = self._precision.scaler
-            self._precision.wrap_step(optimizer)
         return optimizer
 
     def autocast(self):
         """The run's autocast (`Strategy.precision`), for work outside the prepared model's forward."""
-        return self._precision.autocast()
+        return self.techniques.precision.autocast()
 
     @property
     def collectives(self) -> Collectives:
@@ -286,9 +259,7 @@ class TrainContext:
     def communication(self) -> dict[str, int]:
         """What this rank sent to keep the replicas in step so far: `sync_bytes` handed to DDP's
         gradient all-reduce (after compression) or to local SGD's syncs, and `outer_syncs`."""
-        outer = self._outer
-        return {"sync_bytes": self._gradient_codec.bytes_sent + (outer.bytes_sent if outer else 0),
-                "outer_syncs": outer.syncs if outer else 0}
+        return self.techniques.communication()
 
     def synced_state(self) -> dict[str, Any]:
         """The state of everything a heal or a grow syncs (model, optimizer, registered state,
@@ -346,7 +317,7 @@ class TrainContext:
                 self._flag = None
                 self._join(reason="heal", lost=0 if step.committed else 1)
                 continue
-            if self._outer is not None and self._outer.due(self._step_index) and not self._outer_sync():
+            if self.techniques.sync_due(self._step_index) and not self._outer_sync():
                 continue
             every = self.checkpoint_config.every_steps
             if self._step_index == max_steps and self.checkpoint_config.enabled:
@@ -362,14 +333,13 @@ class TrainContext:
     def _outer_sync(self) -> bool:
         """Local SGD's sync after an interval's last step; False if a peer died in it (healed)."""
         try:
-            self._outer.sync()
+            self.techniques.outer_sync(self._objects, {"step": self._step_index, "cursor": self._cursor.to_dict()})
         except Exception as exc:
             if not is_peer_failure(exc):
                 raise
             self._flag = None
             self._join(reason="heal")
             return False
-        self._backup.take(self._objects, {"step": self._step_index, "cursor": self._cursor.to_dict()})
         return True
 
     def _wait_for_writer(self) -> None:
@@ -398,7 +368,7 @@ class TrainContext:
                 indices=chunk,
                 weight=data_math.gradient_weight(stop - start, step.world_size, cfg.global_batch_size),
                 on_sync=(lambda: self._enter_sync(step)) if i == len(bounds) - 1 else None,
-                run_backward=self._precision.backward,
+                run_backward=self.techniques.precision.backward,
             )
             if ddp is not None and i < len(bounds) - 1:
                 with ddp.no_sync():
@@ -417,8 +387,7 @@ class TrainContext:
         if step is None or step.committed:
             return
         step.committed = True
-        if isinstance(self._gradient_codec, PowerSGD):
-            self._gradient_codec.commit()
+        self.techniques.committed()
         self._step_index += 1
         self._cursor = self._cursor.advance(self.data_config.global_batch_size, len(self._dataset))
 
@@ -447,8 +416,8 @@ class TrainContext:
             step.failed = f"{type(exc).__name__}: {exc}"
             if not step.committed and self._optimizer is not None:
                 self._optimizer.zero_grad(set_to_none=True)
-            if not step.committed and isinstance(self._gradient_codec, PowerSGD):
-                self._gradient_codec.discard()
+            if not step.committed:
+                self.techniques.failed()
             return True
         return False
 
@@ -481,22 +450,12 @@ class TrainContext:
     def _checkpoint(self) -> None:
         """Snapshot to CPU (training waits only for this copy) and write the shard in the background."""
         started = time.perf_counter()
-        if self._outer is not None:
-            # Only the state of the last sync is the same on every rank, and a run resumes there.
-            states, progress = self._backup.states()
-            if progress["step"] == self._last_checkpoint_step:
-                return  # no sync since the last checkpoint: nothing new to keep
-        else:
-            states = {name: state_of(obj) for name, obj in self._objects.items()}
-            progress = {"step": self._step_index, "cursor": self._cursor.to_dict()}
-        # Each rank writes a slice of the state: the parts that differ between ranks are
-        # averaged first (every rank checkpoints at the same step), so the slices fit together.
-        for name, key in self._per_rank_keys():
-            states[name] = {**states[name], key: average_over_holders(states[name][key], states[name][key],
-                                                                      self.device)}
-        self._last_checkpoint_step = progress["step"]
-        snapshot = take_snapshot(states, progress)
-        optimizer_shard = _copied(self._zero.sharded_state_dict()) if self._zero is not None else None
+        kept = self.techniques.checkpoint_state(self._objects, {"step": self._step_index,
+                                                                "cursor": self._cursor.to_dict()})
+        if kept is None:
+            return  # local SGD has not synced since the last checkpoint: nothing new to keep
+        snapshot = take_snapshot(*kept)
+        optimizer_shard = self.techniques.optimizer_shard()
         crash = self.faults.crash_checkpoint(self.rank, self._step_index)
         self._wait_for_writer()  # one upload at a time: back-pressure, reported as progress
         self._writer.submit(snapshot, self.rank, self.world_size, time.perf_counter() - started,
@@ -578,27 +537,15 @@ class TrainContext:
             if spec.resume_from is not None and spec.rank == 0:
                 self._restore(spec.resume_from)
         holds_state = self._holds_state and not spec.restart
-        sharded = self._zero.position if self._zero is not None and holds_state else None
-        self._rolled_back = self._roll_back_to_last_sync() if holds_state else 0
-        if isinstance(self._gradient_codec, PowerSGD):
-            self._gradient_codec.discard()  # a step that failed in the old generation is redone
-        per_rank = self._per_rank_states()
-        held = {name: get() for name, (get, _) in per_rank.items()}
-        held_step = self._step_index
-        progress = {"step": self._step_index, "cursor": self._cursor.to_dict()}
-        self._last_sync, progress = sync_state(self._objects, progress, self.device, holds_state)
+        held = self.techniques.before_sync(self._objects, {"step": self._step_index, "cursor": self._cursor.to_dict()},
+                                           holds_state)
+        self._rolled_back = held.rolled_back
+        self._last_sync, progress = sync_state(self._objects, held.progress, self.device, holds_state)
         self._holds_state = True
         self._step_index = progress["step"]
         self._cursor = data_math.DataCursor(**progress["cursor"])
-        for name, (get, put) in per_rank.items():
-            put(average_over_holders(get(), held[name] if holds_state and held_step == self._step_index else None,
-                                     self.device))
-        if self._zero is not None:
-            self._zero.reshard(sharded, steps=self._step_index)
-            if spec.restart and spec.resume_from is not None:
-                self._zero.load_sharded(spec.resume_from.load_optimizer_shards())
-        if self._outer is not None:
-            self._backup.take(self._objects, progress)
+        self.techniques.after_sync(held, self._objects, progress, holds_state,
+                                   spec.resume_from if spec.restart else None)
         if self._model is not None:
             self._model.ddp = self._wrap(self._model.module)
             self._model.formed = True
@@ -607,37 +554,6 @@ class TrainContext:
         done = time.perf_counter()
         return {"leave_s": started - left, "barrier_s": arrived - started, "connect_s": connected - arrived,
                 "sync_s": done - connected}
-
-    def _per_rank_keys(self) -> list[tuple[str, str]]:
-        """(registered object, key of its state dict) of each state that differs between ranks."""
-        keys = [("optimizer", "state")] if self._outer is not None and self._optimizer is not None else []
-        return keys + ([("powersgd", "error")] if isinstance(self._gradient_codec, PowerSGD) else [])
-
-    def _per_rank_states(self) -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
-        """The state each rank keeps for itself, as (get, put): averaged over the ranks that
-        held it at each new generation (local SGD's inner optimizer, PowerSGD's errors)."""
-        states: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
-        optimizer = self._optimizer
-        if self._outer is not None and optimizer is not None:
-            states["optimizer"] = (lambda: optimizer.state_dict()["state"],
-                                   lambda state: optimizer.load_state_dict({**optimizer.state_dict(), "state": state}))
-        if isinstance(self._gradient_codec, PowerSGD):
-            states["powersgd"] = (self._gradient_codec.local_state, self._gradient_codec.load_local_state)
-        return states
-
-    def _roll_back_to_last_sync(self) -> int:
-        """Under local SGD, go back to the last sync if this rank is past it; the steps undone.
-
-        Only there is the state the same on every rank: a heal in mid-interval replays the
-        interval's global batches over the new world (see `elastic.local_sgd`).
-        """
-        if self._outer is None or self._backup.step is None or self._backup.step == self._step_index:
-            return 0
-        progress = self._backup.restore(self._objects)
-        undone = self._step_index - progress["step"]
-        self._step_index = progress["step"]
-        self._cursor = data_math.DataCursor(**progress["cursor"])
-        return undone
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Load a durable checkpoint into this rank; the sync then spreads it to the others."""
@@ -661,13 +577,13 @@ class TrainContext:
         self.checkpoint = checkpoint
 
     def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel | None:
-        if self._outer is not None:
+        if self.techniques.replaces_ddp:
             return None  # local SGD: no gradient all-reduce
         ddp = DistributedDataParallel(
             module, device_ids=[self.device.index] if self.device.type == "cuda" else None, init_sync=False
         )
         self._hooked = (self._gradient_all_reduce.abortable or self.faults.needs_comm_hook
-                        or self.strategy.compression != "none")
+                        or self.techniques.hooks_gradients)
         if self._hooked:
             ddp.register_comm_hook(self, _allreduce_hook)
         return ddp
@@ -693,8 +609,8 @@ class TrainContext:
         reached), and the time is the rank's compute, free of waiting on slower peers.
         """
         self._entered_sync += 1
-        if not self._hooked and self._outer is None:
-            self._gradient_codec.bytes_sent += self._gradient_bytes  # DDP sends each gradient once
+        if not self._hooked:
+            self.techniques.count_unhooked_sync()
         if step.compute_s is None:
             step.compute_s = time.perf_counter() - step.started
 
@@ -741,18 +657,9 @@ def _allreduce_hook(ctx, bucket):
     `from __future__ import annotations` would make them.
     """
     ctx.faults.at("allreduce", ctx.rank, ctx.step)
-    future = ctx._gradient_codec.all_reduce(bucket, ctx._gradient_all_reduce.all_reduce)
+    future = ctx.techniques.codec.all_reduce(bucket, ctx._gradient_all_reduce.all_reduce)
     ctx._launched += 1
     return future
-
-
-def _copied(value: Any) -> Any:
-    """`value` with every tensor cloned to CPU: a checkpoint is written while training goes on."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
-    return value
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -122,6 +122,7 @@ def test_diloco_rolls_a_mid_interval_death_back_and_replays_the_interval_exactly
     # regression_loop checked at each generation that every rank holds the same model, inner
     # and outer optimizer state and ledger; the ledger counts each sample exactly once.
     _assert_exactly_once(result.value["ledger"], 32)
+    assert result.value["synced_at"][-1] == 32 and all(s % 8 == 0 for s in result.value["synced_at"])
     grows = [e for e in result.events_of("generation_formed") if e["kind"] == "grow"]
     assert grows and all(e["step"] % 8 == 0 for e in grows), f"no grow, or one off a sync boundary: {grows}"
 

@@ -7,7 +7,8 @@ it checks that all ranks hold bit-identical synced state (model, optimizer, ledg
 technique's), and raises if not, which fails the run. With `check_collectives` it checks
 every collective of `ctx.collectives` against the answer it computes from the world size;
 with `inf_at=(rank, step)` that rank's loss is inf at that step, and it checks that every
-rank skipped the step (fp16 loss scaling).
+rank skipped the step (fp16 loss scaling). Under local SGD it checks after every sync that
+the model and the outer state are the same on every rank.
 """
 
 from __future__ import annotations
@@ -76,10 +77,13 @@ def regression_loop(config: dict) -> dict:
     checked: list[int] = []
     collectives_checked: set[int] = set()
     skipped: list[int] = []
+    sync_every, synced_at = ctx.strategy.sync_options.get("every"), []
     for step in ctx.steps(dataset):
         with step:
             if config.get("check_collectives"):
                 collectives_checked.add(check_collectives(ctx.collectives, ctx.rank))
+            if sync_every and step.index and step.index % sync_every == 0:
+                check_synced(ctx, synced_at)  # decided by the step index alone: every rank calls it
             if not checked or checked[-1] != ctx.generation:
                 digests = [None] * ctx.world_size
                 dist.all_gather_object(digests, state_digest(*ctx.synced_state().values()))
@@ -109,6 +113,7 @@ def regression_loop(config: dict) -> dict:
                 if agreed != [True] * ctx.world_size:
                     raise AssertionError(f"step {step.index} with an inf loss was skipped by ranks {agreed} only")
             ledger[step.cursor.epoch] += counts
+
         bad_rank, bad_step = config.get("raise_from", (-1, 0))
         if ctx.rank == bad_rank and step.index >= bad_step:
             raise ValueError(f"injected user error on rank {ctx.rank} at step {step.index}")
@@ -117,6 +122,8 @@ def regression_loop(config: dict) -> dict:
         gate_step, gate_file = config.get("gate", (-1, ""))
         while step.index == gate_step and not os.path.exists(gate_file):
             time.sleep(0.01)  # held until the test opens the gate: a state of the run it waits for
+    if sync_every:
+        check_synced(ctx, synced_at)  # the run's last step ends with a sync
     with torch.no_grad():
         x, y = dataset.tensors
         final_loss = torch.nn.functional.mse_loss(model.module(x), y).item()
@@ -130,7 +137,19 @@ def regression_loop(config: dict) -> dict:
         "outer_syncs": ctx.communication["outer_syncs"],
         "collectives_checked": sorted(collectives_checked),
         "skipped": skipped,
+        "synced_at": synced_at,
     }
+
+
+def check_synced(ctx, synced_at: list[int]) -> None:
+    """Right after a local SGD sync: the model, the outer optimizer and the last-sync
+    parameters must be the same on every rank. Records the step."""
+    state = ctx.synced_state()
+    digests = [None] * ctx.world_size
+    dist.all_gather_object(digests, state_digest(state["model"], state["outer_sync"]))
+    if len(set(digests)) != 1:
+        raise AssertionError(f"ranks differ after the sync at step {ctx.step}: {digests}")
+    synced_at.append(ctx.step)
 
 
 def check_collectives(collectives, rank: int) -> int:
