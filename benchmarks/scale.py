@@ -58,7 +58,6 @@ import pickle
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -72,6 +71,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import elastic
+from benchmarks.bench import _git_commit
 from elastic.flat_state import flatten
 from elastic.state_sync import state_of
 
@@ -348,14 +348,6 @@ def _print_table(report: dict[str, Any]) -> None:
               f"({entry['bytes_per_rank_one_ahead']['max']})")
     ratio = report["recovery_ratio_16_vs_2"]
     print(f"recovery at 16 / at 2 (medians): {ratio:.2f}" if ratio else "recovery at 16 / at 2: not measured")
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

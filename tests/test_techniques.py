@@ -51,6 +51,27 @@ def _started(count):
     return lambda events: len([e for e in events if e["type"] == "worker_started"]) >= count
 
 
+def _grow_to_3_once_formed():
+    """An `until` for `_fit_held` that makes the run start at 2 workers and grow to 3: another
+    actor holds the CPUs a third worker needs until the first generation formed."""
+
+    @ray.remote(num_cpus=2)
+    class Hog:
+        def ready(self):
+            return True
+
+    hog = Hog.remote()
+    ray.get(hog.ready.remote())
+
+    def formed_then_freed(events):
+        if any(e["type"] == "generation_formed" for e in events):
+            ray.kill(hog)
+            return _started(3)(events)
+        return False
+
+    return formed_then_freed
+
+
 def _max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
@@ -82,21 +103,8 @@ def test_local_sgd_and_diloco_with_one_step_intervals_equal_ddp_through_a_grow(l
     # Another actor holds the CPUs a third worker needs, so the run starts at 2; once it
     # formed, that actor goes and the third worker joins in a planned grow, where averaging
     # the inner momentum over the old ranks stays exact.
-    @ray.remote(num_cpus=2)
-    class Hog:
-        def ready(self):
-            return True
-
-    hog = Hog.remote()
-    ray.get(hog.ready.remote())
-
-    def formed_then_freed(events):
-        if any(e["type"] == "generation_formed" for e in events):
-            ray.kill(hog)
-            return _started(3)(events)
-        return False
-
-    result = _fit_held(tmp_path, "h1", 4, formed_then_freed, scaling=ScalingConfig(min_workers=2, max_workers=3),
+    result = _fit_held(tmp_path, "h1", 4, _grow_to_3_once_formed(),
+                       scaling=ScalingConfig(min_workers=2, max_workers=3),
                        strategy=Strategy(sync=sync))
     assert [(e["kind"], e["world_size"]) for e in result.events_of("generation_formed")] == [("start", 2), ("grow", 3)]
     assert _max_diff(result.value["params"], ddp_reference["momentum"]["params"]) < 1e-9
@@ -173,21 +181,8 @@ def test_powersgd_through_a_planned_grow_equals_a_fixed_size_run(local_ray, tmp_
     # error buffers equal the others' at the first step of each generation.
     fixed = _fit(tmp_path, "powersgd-2", ScalingConfig(min_workers=2, max_workers=2), POWERSGD)
 
-    @ray.remote(num_cpus=2)
-    class Hog:
-        def ready(self):
-            return True
-
-    hog = Hog.remote()
-    ray.get(hog.ready.remote())
-
-    def formed_then_freed(events):
-        if any(e["type"] == "generation_formed" for e in events):
-            ray.kill(hog)
-            return _started(3)(events)
-        return False
-
-    grown = _fit_held(tmp_path, "powersgd-grow", 6, formed_then_freed, scaling=ScalingConfig(min_workers=2, max_workers=3),
+    grown = _fit_held(tmp_path, "powersgd-grow", 6, _grow_to_3_once_formed(),
+                      scaling=ScalingConfig(min_workers=2, max_workers=3),
                       strategy=POWERSGD)
     assert [e["world_size"] for e in grown.events_of("generation_formed")] == [2, 3]
     assert _max_diff(grown.value["params"], fixed.value["params"]) < 1e-9
@@ -210,21 +205,8 @@ def test_zero_1_equals_ddp_through_a_grow_and_a_kill_with_the_dead_ranks_shard_f
                                                                                                 ddp_reference):
     # Start at 2 (another actor holds the third CPU's worth), grow to 3 once it goes, then
     # rank 1 dies at step 16: its shard of the AdamW state lives on in rank 2's buddy copy.
-    @ray.remote(num_cpus=2)
-    class Hog:
-        def ready(self):
-            return True
-
-    hog = Hog.remote()
-    ray.get(hog.ready.remote())
-
-    def formed_then_freed(events):
-        if any(e["type"] == "generation_formed" for e in events):
-            ray.kill(hog)
-            return _started(3)(events)
-        return False
-
-    result = _fit_held(tmp_path, "zero", 4, formed_then_freed, scaling=ScalingConfig(min_workers=2, max_workers=3),
+    result = _fit_held(tmp_path, "zero", 4, _grow_to_3_once_formed(),
+                       scaling=ScalingConfig(min_workers=2, max_workers=3),
                        strategy=ZERO, faults=[Fault(kind="kill", rank=1, step=16)], optimizer="adamw")
     kinds = [(e["kind"], e["world_size"]) for e in result.events_of("generation_formed")]
     assert kinds[:3] == [("start", 2), ("grow", 3), ("heal", 2)], kinds
