@@ -617,7 +617,13 @@ def merge_figures(path: str, figures: dict[str, list[float | None]], details: di
 
 
 def _command() -> str:
-    return shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", "benchmarks.bench", *sys.argv[1:]])
+    return command_line("benchmarks.bench", None)
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """The command that ran `module` with `argv` (sys.argv's when None), as the README quotes it."""
+    return shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", module,
+                       *(argv if argv is not None else sys.argv[1:])])
 
 
 def _provenance(command: str, wall_s: float) -> dict[str, Any]:

@@ -21,13 +21,9 @@ Without CUDA it says so and exits with code 2. It measures, each as min, median 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -38,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from benchmarks.bench import _provenance, command_line
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results", "gpu.json")
@@ -70,13 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         "lm_steps_per_s": {precision: lm_steps_per_s(precision) for precision in ("fp32", "bf16")},
         "checkpoint_stall": checkpoint_stall(),
     }
-    report.update({
-        "command": shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", "benchmarks.gpu",
-                               *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": _git_commit(),
-        "wall_s": time.time() - started,
-    })
+    report.update(_provenance(command_line("benchmarks.gpu", argv), time.time() - started))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
@@ -222,14 +214,6 @@ def _synchronized(function: Callable[[], None]) -> float:
 
 def _spread(values: list[float]) -> dict[str, Any]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values), "values": values}
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 if __name__ == "__main__":

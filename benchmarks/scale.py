@@ -50,12 +50,10 @@ date and git commit.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
 import pickle
-import shlex
 import shutil
 import statistics
 import sys
@@ -71,7 +69,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import elastic
-from benchmarks.bench import _git_commit
+from benchmarks.bench import _provenance, command_line
 from elastic.flat_state import flatten
 from elastic.state_sync import state_of
 
@@ -293,11 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "source's binomial-tree broadcast of the whole state",
         },
         "errors": errors,
-        "command": shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", "benchmarks.scale",
-                               *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": _git_commit(),
-        "wall_s": time.time() - started,
+        **_provenance(command_line("benchmarks.scale", argv), time.time() - started),
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -30,8 +30,6 @@ The keys are merged into benchmarks/results/bench.json (or --out), keeping the o
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
 import statistics
 import sys
 import tempfile
@@ -43,7 +41,7 @@ import torch
 
 import elastic
 from benchmarks import workload
-from benchmarks.bench import DEFAULT_OUT, REPO_ROOT, merge_figures
+from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures
 
 STEPS = 120
 QUICK_STEPS = 64  # multiples of the local SGD variants' H, so every interval ends in a sync
@@ -150,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                                            "own_over_formula": outcome["state_bytes"]["own"] / formula,
                                            "replicated": 8 * outcome["parameters"]}
     ray.shutdown()
-    command = shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", "benchmarks.techniques",
-                          *(argv if argv is not None else sys.argv[1:])])
+    command = command_line("benchmarks.techniques", argv)
     details = {"techniques_setup": {"steps": steps, "rounds": rounds, "world_size": workload.WORLD_SIZE,
                                     "variants": {name: s.model_dump() for name, s in VARIANTS.items()}},
                "techniques_zero_state_bytes": zero_state}
