@@ -7,6 +7,7 @@ state. Mixed precision and compression need float32 (autocast leaves float64 alo
 
 import concurrent.futures
 import time
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -15,7 +16,7 @@ from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConf
 from elastic.errors import TrainingFailedError
 from elastic.events import read_events
 from elastic.storage import RunStorage
-from workloads import GLOBAL_BATCH, NUM_SAMPLES, regression_loop
+from workloads import GLOBAL_BATCH, NUM_SAMPLES, OutsideKiller, regression_loop
 
 pytestmark = pytest.mark.timeout(240)
 MAX_STEPS = 24
@@ -247,3 +248,22 @@ def test_a_checkpoint_without_optimizer_shards_does_not_resume_a_zero_run(local_
     with pytest.raises(TrainingFailedError, match=r"holds no sharded optimizer state: it was written without "
                        r"Strategy\(zero=1\); resume it with the same strategy"):
         run(ZERO, MAX_STEPS)
+
+
+SLOW_STEP_S = 0.25  # a sleep inside each step, standing for seconds of compute (as in the chaos matrix)
+
+
+@pytest.mark.parametrize("strategy", [Strategy(sync="diloco:every=8"), ZERO], ids=["diloco", "zero"])
+def test_slow_steps_heal_a_sigkill_sent_from_outside_at_a_moment_inside_a_step(local_ray, tmp_path, ddp_reference,
+                                                                               strategy):
+    # From step 12 on, rank 1's process is killed at a random moment of a step: mid-interval
+    # for DiLoCo, anywhere in the forward, the all-reduce or ZeRO's own step for ZeRO-1.
+    killer = OutsideKiller("rank1-mid-step", str(tmp_path), "sigkill", SimpleNamespace(compute_s=SLOW_STEP_S), seed=7)
+    killer.start()
+    result = _fit(tmp_path, "sigkill", ScalingConfig(min_workers=2, max_workers=3), strategy,
+                  compute_s=SLOW_STEP_S, optimizer="adamw")
+    assert killer.done.wait(60) and killer.killed, "the outside kill never happened"
+    assert result.events_of("recovery"), "no heal"
+    _assert_exactly_once(result.value["ledger"], MAX_STEPS)
+    if strategy.zero:
+        assert _max_diff(result.value["params"], ddp_reference["adamw"]["params"]) < 1e-9

@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
+import signal
+import threading
 import time
 
+import ray
 import torch
 import torch.distributed as dist
 
 import elastic
+from elastic.events import read_events
+from elastic.storage import RunStorage
 
 NUM_SAMPLES = 512
 GLOBAL_BATCH = 64
@@ -174,3 +180,67 @@ def check_collectives(collectives, rank: int) -> int:
         if not torch.allclose(got.double(), torch.as_tensor(expected, dtype=torch.float64)):
             raise AssertionError(f"{name} at world size {world} on rank {rank}: {got.tolist()}, not {expected}")
     return world
+
+
+class OutsideKiller(threading.Thread):
+    """Sends SIGKILL to workers of a running fit() from this process, when the run is where
+    the cell says: it reads the controller's status and the run's journal."""
+
+    def __init__(self, kind, storage, name, pace, seed):
+        super().__init__(daemon=True)
+        self.kind, self.storage, self.name, self.pace = kind, storage, name, pace
+        self.rng = random.Random(seed)
+        self.killed: list[int] = []
+        self.done = threading.Event()
+
+    def run(self):
+        try:
+            if self.kind == "newcomer":
+                grow = self._wait_for(lambda e: e["type"] == "generation_formed" and e["kind"] == "grow")
+                self._kill(grow["members"][-1]["pid"])
+                return
+            self._wait_for_step(12 if self.kind != "all" else 20)
+            members = self._latest_members()
+            if self.kind == "rank1-mid-step":
+                time.sleep(self.rng.uniform(0, max(self.pace.compute_s, 0.01)))
+                self._kill(members[1]["pid"])
+            elif self.kind == "ranks1-2-within-100ms":
+                self._kill(members[1]["pid"])
+                time.sleep(self.rng.uniform(0.0, 0.1))
+                self._kill(members[2]["pid"])
+            elif self.kind == "rank0":
+                self._kill(members[0]["pid"])
+            elif self.kind == "all":
+                for member in members:
+                    self._kill(member["pid"])
+        finally:
+            self.done.set()
+
+    def _kill(self, pid):
+        os.kill(pid, signal.SIGKILL)
+        self.killed.append(pid)
+
+    def _events(self):
+        return read_events(RunStorage(self.storage, self.name))
+
+    def _wait_for(self, match, timeout_s=120):
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            found = [e for e in self._events() if match(e)]
+            if found:
+                return found[-1]
+            time.sleep(0.01)
+        raise TimeoutError(f"the run never reached the moment for {self.kind}")
+
+    def _wait_for_step(self, step):
+        controller = None
+        while controller is None or ray.get(controller.status.remote())["step"] < step:
+            time.sleep(0.02)
+            try:
+                controller = controller or ray.get_actor(f"elastic-controller-{self.name}")
+            except ValueError:
+                continue
+
+    def _latest_members(self):
+        self._wait_for(lambda e: e["type"] == "generation_formed" and e["world_size"] == 3)
+        return [e for e in self._events() if e["type"] == "generation_formed"][-1]["members"]
