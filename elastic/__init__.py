@@ -6,7 +6,8 @@ worker's train loop) can be imported without pulling in the driver's side.
 
 from elastic.config import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig, Strategy
 from elastic.context import MicroBatch, Step, TrainContext, get_context, report
-from elastic.data import DataCursor, ParquetDataset
+from elastic.data import DataCursor
+from elastic.parquet import ParquetDataset
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
 from elastic.faults import Fault, parse_fault
 

@@ -70,6 +70,16 @@ class DataConfig(_Frozen):
     max_steps: int = Field(..., gt=0, description="Optimizer steps in the whole run.")
     seed: int = Field(0, description="Seed of each epoch's sample permutation.")
     shuffle: bool = Field(True, description="Permute the samples of each epoch; False reads them in order.")
+    shuffle_window: int = Field(
+        262_144, gt=0, description="Samples permuted together: the epoch permutes blocks (Parquet row groups), then "
+        "the samples inside each window of this many positions; a streaming reader holds about two windows.")
+    drop_last: bool = Field(
+        False, description="Drop an epoch's last step when it has fewer than global_batch_size samples; by default "
+        "it is kept, and weighted as the mean over its own samples.")
+    prefetch_threads: int = Field(
+        0, ge=0, description="Threads that read and collate the next steps' micro-batches while this one trains; "
+        "0 reads them on the train thread.")
+    prefetch_steps: int = Field(2, gt=0, description="Steps read ahead when prefetch_threads > 0.")
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":

@@ -52,7 +52,9 @@ from elastic.group import (
     leave_group,
     rendezvous,
 )
+from elastic.loader import Loader
 from elastic.mailbox import GenerationMailbox
+from elastic.random_state import RandomState
 from elastic.state_sync import load_into, state_of, sync_state
 from elastic.techniques import Techniques
 
@@ -189,13 +191,13 @@ class TrainContext:
         self._store = StoreClient()
         self._model: ElasticDDP | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._objects: dict[str, Any] = {}
+        self._random = RandomState()
+        self._objects: dict[str, Any] = {"rng": self._random}
         self._step_index = 0
         self._cursor = data_math.DataCursor(seed=data_config.seed)
-        self._orders: dict[int, torch.Tensor] = {}
         self._current_step: Step | None = None
         self._flag: tuple[dist.Work, torch.Tensor] | None = None
-        self._dataset: Any = None
+        self._loader: Loader | None = None
 
     # --- what the train loop sees ------------------------------------------------------
     @property
@@ -289,14 +291,8 @@ class TrainContext:
 
     def steps(self, dataset: Any) -> Iterator[Step]:
         """Yield each remaining global step of the run, healing and rescaling in between."""
-        self._dataset = dataset
+        self._loader = Loader(dataset, self.data_config, pin_memory=self.device.type == "cuda")
         self._train_thread = threading.get_ident()
-        num_samples = len(dataset)
-        if num_samples < self.data_config.global_batch_size:
-            raise ElasticError(
-                f"the dataset has {num_samples} samples, fewer than global_batch_size("
-                f"{self.data_config.global_batch_size}); use a larger dataset or a smaller global batch"
-            )
         self._join(reason="start")
         max_steps = self.data_config.max_steps
         while self._step_index < max_steps:
@@ -307,6 +303,7 @@ class TrainContext:
                 self._join(reason="rescale")
                 continue
             self.faults.at("step_start", self.rank, self._step_index, self._compute_s)
+            self._random.mark()
             step = Step(self, self._step_index, self._cursor)
             self._current_step = step
             yield step
@@ -328,6 +325,7 @@ class TrainContext:
             if timed and self._step_index < max_steps and self._step_index % AGREEMENT_EVERY_STEPS == 0:
                 self._launch_flag()
         self._flag = None
+        self._loader.close()
         self._wait_for_writer()
 
     def _outer_sync(self) -> bool:
@@ -354,33 +352,24 @@ class TrainContext:
 
     # --- steps and micro-batches -------------------------------------------------------
     def _micro_batches(self, step: Step) -> Iterator[MicroBatch]:
-        cfg = self.data_config
-        order = self._order(step.cursor.epoch)
-        indices = data_math.step_indices(step.cursor, order, cfg.global_batch_size, step.world_size, step.rank)
-        bounds = data_math.micro_bounds(len(indices), cfg.micro_batch_size)
+        loaded = self._loader.step(step.cursor, step.world_size, step.rank)
+        step_samples = self._loader.step_samples(step.cursor)
         ddp = self._model.ddp if self._model else None
         if self.faults.slow_extra_s:
             time.sleep(self.faults.slow_extra_s)  # an injected straggler
-        for i, (start, stop) in enumerate(bounds):
-            chunk = indices[start:stop]
+        for i, micro in enumerate(loaded):
             batch = MicroBatch(
-                data=_to_device(data_math.fetch(self._dataset, chunk), self.device),
-                indices=chunk,
-                weight=data_math.gradient_weight(stop - start, step.world_size, cfg.global_batch_size),
-                on_sync=(lambda: self._enter_sync(step)) if i == len(bounds) - 1 else None,
+                data=_to_device(micro.data, self.device),
+                indices=micro.indices,
+                weight=data_math.gradient_weight(micro.samples, step.world_size, step_samples),
+                on_sync=(lambda: self._enter_sync(step)) if i == len(loaded) - 1 else None,
                 run_backward=self.techniques.precision.backward,
             )
-            if ddp is not None and i < len(bounds) - 1:
+            if ddp is not None and i < len(loaded) - 1:
                 with ddp.no_sync():
                     yield batch
             else:
                 yield batch
-
-    def _order(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._orders:
-            cfg = self.data_config
-            self._orders = {epoch: data_math.epoch_order(len(self._dataset), epoch, cfg.seed, cfg.shuffle)}
-        return self._orders[epoch]
 
     def _commit(self) -> None:
         step = self._current_step
@@ -389,7 +378,7 @@ class TrainContext:
         step.committed = True
         self.techniques.committed()
         self._step_index += 1
-        self._cursor = self._cursor.advance(self.data_config.global_batch_size, len(self._dataset))
+        self._cursor = self._loader.advance(self._cursor)
 
     def _end_step(self, step: Step, exc: BaseException | None) -> bool:
         if exc is None:
@@ -405,7 +394,7 @@ class TrainContext:
                     "generation": self.generation,
                     "step_s": time.perf_counter() - step.started,
                     "compute_s": step.compute_s,
-                    "samples": self.data_config.global_batch_size,
+                    "samples": self._loader.step_samples(step.cursor),
                     "time": time.time(),
                 }
             )
@@ -418,6 +407,7 @@ class TrainContext:
                 self._optimizer.zero_grad(set_to_none=True)
             if not step.committed:
                 self.techniques.failed()
+                self._random.rewind()
             return True
         return False
 
@@ -558,13 +548,16 @@ class TrainContext:
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Load a durable checkpoint into this rank; the sync then spreads it to the others."""
         state = checkpoint.load_state()
-        missing = sorted(set(self._objects) - set(state) - {"progress"})
+        # Checkpoints written before the RNG states were synced resume with this rank's streams.
+        missing = sorted(set(self._objects) - set(state) - {"progress", "rng"})
         if missing:
             raise CheckpointError(
                 f"{checkpoint.path} holds no state for {missing} (it has {sorted(set(state) - {'progress'})}); "
                 "register the same state as the run that wrote it, or use a new run name"
             )
         for name, obj in self._objects.items():
+            if name not in state:
+                continue
             try:
                 load_into(obj, state[name])
             except (RuntimeError, ValueError, KeyError) as exc:
@@ -644,6 +637,8 @@ class TrainContext:
 
     def close(self) -> None:
         self._leave()
+        if self._loader is not None:
+            self._loader.close()
 
 
 def _allreduce_hook(ctx, bucket):

@@ -1,11 +1,20 @@
-"""The global data cursor and the batch split that make data exactly-once at any world size.
+"""The global data cursor, the epoch order and the batch split that make data exactly-once at
+any world size.
 
 One cursor (epoch, samples consumed in the epoch, seed) describes where the whole run is in
 its data. Each optimizer step takes the next `global_batch_size` positions of the epoch's
-permutation; rank r of W takes a contiguous share of those positions, as even as the division
-allows; a share is cut into micro-batches of at most `micro_batch_size`. Because the cursor is
-part of the synced state and only moves when a step commits, no sample of an epoch is lost or
-seen twice across any rescale. Everything here is pure and needs no Ray.
+order (the epoch's last step takes what is left, unless `drop_last`); rank r of W takes a
+contiguous share of those positions, as even as the division allows; a share is cut into
+micro-batches of at most `micro_batch_size`. Because the cursor is part of the synced state
+and only moves when a step commits, no sample of an epoch is lost or seen twice across any
+rescale.
+
+The epoch's order is never materialised: samples come in blocks (a Parquet row group, or a
+fixed run of a map-style dataset's indices); the blocks are permuted by (seed, epoch), and the
+samples of each window of about `shuffle_window` consecutive positions are permuted among
+themselves. A position maps to a sample through O(blocks + window) memory, however many
+samples there are, and a streaming reader only needs the blocks of one window at a time.
+Everything here is pure and needs no Ray.
 """
 
 from __future__ import annotations
@@ -13,11 +22,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-import pyarrow as pa
-import pyarrow.dataset as pads
-import pyarrow.fs as pafs
 import torch
 from torch.utils.data import TensorDataset, default_collate
+
+# Indices of a map-style dataset that form one block of the epoch order: contiguous indices
+# stay together inside a window, which keeps a lazy dataset's reads local.
+MAP_STYLE_BLOCK = 4096
 
 
 @dataclass(frozen=True)
@@ -28,10 +38,16 @@ class DataCursor:
     consumed: int = 0
     seed: int = 0
 
-    def advance(self, global_batch_size: int, num_samples: int) -> "DataCursor":
-        """The cursor after one committed step; an epoch ends when less than a global batch is left."""
-        consumed = self.consumed + global_batch_size
-        if consumed + global_batch_size > num_samples:
+    def step_samples(self, global_batch_size: int, num_samples: int) -> int:
+        """Samples of the step that starts here: a global batch, or the rest of the epoch."""
+        return min(global_batch_size, num_samples - self.consumed)
+
+    def advance(self, global_batch_size: int, num_samples: int, drop_last: bool = False) -> "DataCursor":
+        """The cursor after one committed step. An epoch ends when every sample was taken, or,
+        with `drop_last`, when less than a global batch is left."""
+        consumed = self.consumed + self.step_samples(global_batch_size, num_samples)
+        left = num_samples - consumed
+        if left == 0 or (drop_last and left < global_batch_size):
             return DataCursor(self.epoch + 1, 0, self.seed)
         return DataCursor(self.epoch, consumed, self.seed)
 
@@ -39,12 +55,69 @@ class DataCursor:
         return asdict(self)
 
 
-def epoch_order(num_samples: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
-    """The order in which an epoch visits the samples; identical on every rank."""
-    if not shuffle:
-        return torch.arange(num_samples)
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_samples, generator=generator)
+def map_style_blocks(num_samples: int) -> list[int]:
+    """Block sizes of a map-style dataset of `num_samples` samples."""
+    full, rest = divmod(num_samples, MAP_STYLE_BLOCK)
+    return [MAP_STYLE_BLOCK] * full + ([rest] if rest else [])
+
+
+class EpochOrder:
+    """The order in which one epoch visits the samples; identical on every rank.
+
+    `block_sizes[b]` samples of block b have the ids that follow block b-1's. The order is a
+    seeded permutation of the blocks, cut into windows of about `window` positions, each
+    permuted inside; without shuffling it is the ids in order.
+    """
+
+    def __init__(self, block_sizes: Sequence[int], epoch: int, seed: int, shuffle: bool, window: int) -> None:
+        sizes = torch.tensor(list(block_sizes), dtype=torch.int64)
+        if len(sizes) == 0 or int(sizes.min()) <= 0:
+            raise ValueError(f"block sizes must be positive, got {list(block_sizes)[:8]}")
+        self.num_samples = int(sizes.sum())
+        self._shuffle = shuffle
+        self._key = (seed * 1_000_003 + epoch) * 1_000_033
+        if not shuffle:
+            return
+        first_ids = torch.cumsum(sizes, 0) - sizes
+        blocks = torch.randperm(len(sizes), generator=_generator(self._key))
+        self._sizes, self._first_ids = sizes[blocks], first_ids[blocks]
+        # Position of each (permuted) block's first sample; a block belongs to the window its
+        # first sample falls in, so windows hold whole blocks.
+        self._block_starts = torch.cumsum(self._sizes, 0) - self._sizes
+        window_of_block = self._block_starts // window
+        _, blocks_per_window = torch.unique_consecutive(window_of_block, return_counts=True)
+        self._window_first_block = torch.cumsum(blocks_per_window, 0) - blocks_per_window
+        self._window_starts = self._block_starts[self._window_first_block]
+        self._windows: dict[int, torch.Tensor] = {}  # the permutation of recently used windows
+
+    def ids(self, start: int, stop: int) -> torch.Tensor:
+        """Sample ids at positions [start, stop) of the epoch."""
+        positions = torch.arange(start, stop, dtype=torch.int64)
+        if not self._shuffle:
+            return positions
+        windows = torch.searchsorted(self._window_starts, positions, right=True) - 1
+        out = torch.empty_like(positions)
+        for w in torch.unique(windows).tolist():
+            here = windows == w
+            shuffled = self._window(w)[positions[here] - self._window_starts[w]] + self._window_starts[w]
+            block = torch.searchsorted(self._block_starts, shuffled, right=True) - 1
+            out[here] = self._first_ids[block] + (shuffled - self._block_starts[block])
+        return out
+
+    def _window(self, w: int) -> torch.Tensor:
+        permutation = self._windows.get(w)
+        if permutation is None:
+            first = int(self._window_starts[w])
+            stop = int(self._window_starts[w + 1]) if w + 1 < len(self._window_starts) else self.num_samples
+            permutation = torch.randperm(stop - first, generator=_generator(self._key + w + 1))
+            # Keep two windows: a step may straddle a boundary. Replaced whole, not mutated,
+            # because prefetch threads read the next step's window at the same time.
+            self._windows = {k: v for k, v in self._windows.items() if k == w - 1} | {w: permutation}
+        return permutation
+
+
+def _generator(key: int) -> torch.Generator:
+    return torch.Generator().manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
 
 
 def share_bounds(global_batch_size: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -59,21 +132,20 @@ def micro_bounds(share: int, micro_batch_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + micro_batch_size, share)) for s in range(0, share, micro_batch_size)]
 
 
-def gradient_weight(samples: int, world_size: int, global_batch_size: int) -> float:
-    """Factor for a micro-batch's mean loss so that DDP's average equals the global-batch mean.
+def gradient_weight(samples: int, world_size: int, step_samples: int) -> float:
+    """Factor for a micro-batch's mean loss so that DDP's average equals the step's mean.
 
     DDP divides the summed gradient by the world size, so a micro-batch of n samples must weigh
-    n * W / G for the result to be the mean over all G samples, however unevenly they split.
+    n * W / S for the result to be the mean over all S samples of the step, however unevenly
+    they split.
     """
-    return samples * world_size / global_batch_size
+    return samples * world_size / step_samples
 
 
-def step_indices(
-    cursor: DataCursor, order: torch.Tensor, global_batch_size: int, world_size: int, rank: int
-) -> torch.Tensor:
-    """Sample indices of rank's share of the step that starts at `cursor`."""
-    start, stop = share_bounds(global_batch_size, world_size, rank)
-    return order[cursor.consumed + start : cursor.consumed + stop]
+def step_positions(cursor: DataCursor, step_samples: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[start, stop) epoch positions of rank's share of the step that starts at `cursor`."""
+    start, stop = share_bounds(step_samples, world_size, rank)
+    return cursor.consumed + start, cursor.consumed + stop
 
 
 def fetch(dataset: Any, indices: torch.Tensor) -> Any:
@@ -83,39 +155,3 @@ def fetch(dataset: Any, indices: torch.Tensor) -> Any:
     if hasattr(dataset, "__getitems__"):
         return dataset.__getitems__(indices.tolist())
     return default_collate([dataset[i] for i in indices.tolist()])
-
-
-class ParquetDataset:
-    """A map-style dataset over Parquet files, read through pyarrow (any `pyarrow.fs`).
-
-    Numeric columns become 1-d tensors; fixed-length list columns (e.g. token windows) become
-    2-d tensors. The table is held in memory, which suits data sets that fit a worker.
-    """
-
-    def __init__(
-        self,
-        source: str | Sequence[str],
-        columns: Sequence[str] | None = None,
-        filesystem: pafs.FileSystem | None = None,
-    ) -> None:
-        self.table = pads.dataset(source, format="parquet", filesystem=filesystem).to_table(columns=columns)
-        if self.table.num_rows == 0:
-            raise ValueError(f"ParquetDataset({source!r}) has no rows; point it at non-empty Parquet files")
-
-    def __len__(self) -> int:
-        return self.table.num_rows
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {k: v[0] for k, v in self.__getitems__([index]).items()}
-
-    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        rows = self.table.take(pa.array(indices, type=pa.int64()))
-        return {name: _column_tensor(rows.column(name)) for name in rows.column_names}
-
-
-def _column_tensor(column: pa.ChunkedArray) -> torch.Tensor:
-    array = column.combine_chunks()
-    if pa.types.is_list(array.type) or pa.types.is_fixed_size_list(array.type):
-        values = array.flatten().to_numpy(zero_copy_only=False)
-        return torch.from_numpy(values.reshape(len(array), -1).copy())
-    return torch.from_numpy(array.to_numpy(zero_copy_only=False).copy())

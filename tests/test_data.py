@@ -1,20 +1,24 @@
-"""The data cursor, the batch split and the gradient weights: pure math, no Ray."""
+"""The data cursor, the epoch order, the batch split, the gradient weights and the loader:
+pure math and plain threads, no Ray."""
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
+from elastic.config import DataConfig
 from elastic.data import (
     DataCursor,
-    ParquetDataset,
-    epoch_order,
+    EpochOrder,
     fetch,
     gradient_weight,
+    map_style_blocks,
     micro_bounds,
     share_bounds,
-    step_indices,
+    step_positions,
 )
+from elastic.loader import Loader
+from elastic.parquet import ParquetDataset
 
 
 @pytest.mark.parametrize("global_batch, world_size", [(64, 1), (64, 3), (10, 4), (7, 7), (100, 6)])
@@ -48,31 +52,89 @@ def test_weighted_ddp_average_equals_the_global_batch_mean_for_an_uneven_split()
     assert (sum(per_rank) / world_size).item() == pytest.approx(losses.mean().item())
 
 
-def test_cursor_moves_to_the_next_epoch_when_less_than_a_global_batch_is_left():
-    cursor = DataCursor(seed=3)
+def test_an_epochs_last_partial_step_is_kept_by_default_and_dropped_with_drop_last():
+    kept, dropped = DataCursor(seed=3), DataCursor(seed=3)
+    sizes = []
+    for _ in range(4):
+        sizes.append(kept.step_samples(64, 200))
+        kept = kept.advance(64, 200)
+        dropped = dropped.advance(64, 200, drop_last=True) if dropped.epoch == 0 else dropped
+    assert sizes == [64, 64, 64, 8]
+    assert kept == DataCursor(epoch=1, consumed=0, seed=3)
+    assert dropped == DataCursor(epoch=1, consumed=0, seed=3)
+    three = DataCursor(seed=3)
     for _ in range(3):
-        cursor = cursor.advance(64, 200)
-    assert cursor == DataCursor(epoch=1, consumed=0, seed=3)
+        three = three.advance(64, 200, drop_last=True)
+    assert three.epoch == 1, "with drop_last the 8 samples left after three steps are not a step"
 
 
-def test_every_sample_of_an_epoch_is_taken_once_whatever_the_world_size_of_each_step():
-    num_samples, global_batch = 120, 12
-    order = epoch_order(num_samples, epoch=0, seed=5, shuffle=True)
+@pytest.mark.parametrize("blocks, window", [([4096] * 3 + [17], 5000), ([7, 1, 30, 12, 50], 16), ([120], 1000)])
+def test_the_epoch_order_is_a_seeded_permutation_that_changes_per_epoch(blocks, window):
+    n = sum(blocks)
+    first = EpochOrder(blocks, epoch=0, seed=1, shuffle=True, window=window).ids(0, n)
+    assert sorted(first.tolist()) == list(range(n))
+    assert torch.equal(first, EpochOrder(blocks, epoch=0, seed=1, shuffle=True, window=window).ids(0, n))
+    assert not torch.equal(first, EpochOrder(blocks, epoch=1, seed=1, shuffle=True, window=window).ids(0, n))
+    assert torch.equal(EpochOrder(blocks, 0, seed=1, shuffle=False, window=window).ids(0, n), torch.arange(n))
+
+
+def test_the_epoch_order_reads_any_range_alike_and_a_window_holds_whole_blocks():
+    blocks, window = [10] * 40, 50
+    order = EpochOrder(blocks, epoch=2, seed=9, shuffle=True, window=window)
+    whole = order.ids(0, 400)
+    pieces = torch.cat([EpochOrder(blocks, 2, 9, True, window).ids(a, min(a + 37, 400)) for a in range(0, 400, 37)])
+    assert torch.equal(whole, pieces)
+    # Positions [0, 50) come from exactly five blocks, all of each: a streaming reader needs
+    # only those row groups for the first window.
+    first_window_blocks = set((whole[:50] // 10).tolist())
+    assert len(first_window_blocks) == 5
+    assert sorted(whole[:50].tolist()) == sorted(i for b in first_window_blocks for i in range(10 * b, 10 * b + 10))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_sample_of_an_epoch_is_taken_once_whatever_the_world_size_of_each_step(drop_last):
+    num_samples, global_batch = 125, 12
+    order = EpochOrder(map_style_blocks(num_samples), epoch=0, seed=5, shuffle=True, window=64)
     cursor, taken = DataCursor(seed=5), []
-    for world_size in [3, 3, 2, 1, 4, 4, 2, 3, 1, 2]:
+    sizes = iter([3, 3, 2, 1, 4, 4, 2, 3, 1, 2, 7])
+    while cursor.epoch == 0:
+        world_size = next(sizes)
+        samples = cursor.step_samples(global_batch, num_samples)
         for rank in range(world_size):
-            taken += step_indices(cursor, order, global_batch, world_size, rank).tolist()
-        cursor = cursor.advance(global_batch, num_samples)
-    assert sorted(taken) == list(range(num_samples))
-    assert cursor.epoch == 1
+            taken += order.ids(*step_positions(cursor, samples, world_size, rank)).tolist()
+        cursor = cursor.advance(global_batch, num_samples, drop_last)
+    assert sorted(taken) == sorted(order.ids(0, 120 if drop_last else 125).tolist())
+    assert len(set(taken)) == len(taken)
 
 
-def test_epoch_order_is_a_seeded_permutation_that_changes_per_epoch():
-    first = epoch_order(50, 0, seed=1, shuffle=True)
-    assert torch.equal(first, epoch_order(50, 0, seed=1, shuffle=True))
-    assert not torch.equal(first, epoch_order(50, 1, seed=1, shuffle=True))
-    assert sorted(first.tolist()) == list(range(50))
-    assert torch.equal(epoch_order(5, 0, seed=1, shuffle=False), torch.arange(5))
+def test_a_rank_with_nothing_in_the_last_step_joins_it_with_a_pass_that_weighs_nothing():
+    dataset = torch.utils.data.TensorDataset(torch.arange(10.0))
+    loader = Loader(dataset, DataConfig(global_batch_size=4, micro_batch_size=2, max_steps=3, shuffle=False))
+    last = DataCursor(consumed=8)
+    shares = [loader.step(last, 4, rank) for rank in range(4)]
+    assert [[m.indices.tolist() for m in share] for share in shares] == [[[8]], [[9]], [[]], [[]]]
+    assert [share[0].samples for share in shares] == [1, 1, 0, 0]
+    assert shares[3][0].data[0].tolist() == [8.0], "the stand-in is a real sample of the step, so its loss is finite"
+    weights = [gradient_weight(m.samples, 4, loader.step_samples(last)) for share in shares for m in share]
+    assert sum(weights) == 4
+
+
+def test_prefetched_steps_equal_steps_read_in_place_and_a_new_world_size_drops_them():
+    dataset = torch.utils.data.TensorDataset(torch.arange(300.0))
+    config = dict(global_batch_size=24, micro_batch_size=5, max_steps=30)
+    plain = Loader(dataset, DataConfig(**config))
+    ahead = Loader(dataset, DataConfig(**config, prefetch_threads=2, prefetch_steps=3))
+    cursor = DataCursor()
+    try:
+        for world_size in [2, 2, 2, 3, 3, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2]:
+            for rank in range(world_size):
+                want, got = plain.step(cursor, world_size, rank), ahead.step(cursor, world_size, rank)
+                assert [m.indices.tolist() for m in got] == [m.indices.tolist() for m in want]
+                assert all(torch.equal(g.data[0], w.data[0]) for g, w in zip(got, want))
+            cursor = plain.advance(cursor)
+            assert all(key[2] == world_size for key in ahead._ahead), "reads for another world size are dropped"
+    finally:
+        ahead.close()
 
 
 def test_fetch_collates_map_style_and_tensor_datasets_alike():
@@ -93,6 +155,19 @@ def test_parquet_dataset_reads_numeric_and_fixed_length_list_columns(tmp_path):
     batch = fetch(dataset, torch.tensor([2, 0]))
     assert batch["tokens"].tolist() == [[7, 8, 9], [1, 2, 3]]
     assert batch["label"].tolist() == [2, 0]
+
+
+def test_parquet_dataset_streams_row_groups_and_keeps_at_most_its_cache(tmp_path):
+    for part in range(4):
+        rows = pa.table({"x": list(range(part * 100, part * 100 + 100))})
+        pq.write_table(rows, tmp_path / f"part-{part}.parquet", row_group_size=25)
+    dataset = ParquetDataset(str(tmp_path), cache_rows=50)
+    assert dataset.block_sizes == [25] * 16 and len(dataset) == 400
+    assert dataset.row_groups_read == 0, "nothing but the footers is read up front"
+    ids = [399, 0, 26, 27, 1]
+    assert fetch(dataset, torch.tensor(ids))["x"].tolist() == ids
+    assert dataset.row_groups_read == 3
+    assert sum(t.num_rows for t in dataset._cache.values()) <= 50
 
 
 def test_parquet_dataset_without_rows_is_rejected(tmp_path):

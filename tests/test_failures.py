@@ -1,7 +1,5 @@
 """Failures elastic does not heal: errors in the user's code, and too little capacity."""
 
-import concurrent.futures
-import time
 
 import pytest
 import ray
@@ -10,7 +8,7 @@ from elastic import CapacityTimeoutError, DataConfig, ElasticTrainer, FailureCon
 from elastic.errors import ElasticError, TrainingFailedError
 from elastic.events import read_events
 from elastic.storage import RunStorage
-from workloads import GLOBAL_BATCH, regression_loop
+from workloads import GLOBAL_BATCH, fit_held, regression_loop, workers_started
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -100,15 +98,10 @@ def test_a_collective_with_mismatched_shapes_fails_the_run_as_an_application_err
 def test_a_warm_spare_takes_a_dead_members_place_in_the_heal_itself(local_ray, tmp_path):
     # Training is held at step 5 until the spare has started, so the kill at step 10 finds
     # it warm however slowly this machine starts actors.
-    gate = tmp_path / "spare-is-warm"
     trainer = _trainer(tmp_path, "spare", ScalingConfig(min_workers=1, max_workers=2, spare_workers=1),
-                       faults=[Fault(kind="kill", rank=1, step=10)], sleep_s=0.02, gate=(5, str(gate)))
-    fit = concurrent.futures.ThreadPoolExecutor(1).submit(trainer.fit)
-    storage = RunStorage(str(tmp_path), "spare")
-    while len([e for e in read_events(storage) if e["type"] == "worker_started"]) < 3 and not fit.done():
-        time.sleep(0.05)
-    gate.touch()
-    result = fit.result()
+                       faults=[Fault(kind="kill", rank=1, step=10)], sleep_s=0.02,
+                       gate=(5, str(tmp_path / "spare-is-warm")))
+    result = fit_held(trainer, workers_started(3))
     first, heal = result.events_of("generation_formed")[:2]
     assert first["world_size"] == 2 and heal["kind"] == "heal" and heal["world_size"] == 2, "not back at full size"
     members_before = {m["worker_id"] for m in first["members"]}

@@ -5,8 +5,6 @@ every generation that all ranks hold bit-identical model, optimizer, ledger and 
 state. Mixed precision and compression need float32 (autocast leaves float64 alone).
 """
 
-import concurrent.futures
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,16 +12,14 @@ import ray
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy
 from elastic.errors import TrainingFailedError
-from elastic.events import read_events
-from elastic.storage import RunStorage
-from workloads import GLOBAL_BATCH, NUM_SAMPLES, OutsideKiller, regression_loop
+from workloads import GLOBAL_BATCH, NUM_SAMPLES, OutsideKiller, fit_held, regression_loop, workers_started
 
 pytestmark = pytest.mark.timeout(240)
 MAX_STEPS = 24
 
 
-def _fit(tmp_path, name, scaling, strategy=Strategy(), faults=(), max_steps=MAX_STEPS, **loop_config):
-    """A run of `regression_loop`; its Result."""
+def _trainer(tmp_path, name, scaling, strategy=Strategy(), faults=(), max_steps=MAX_STEPS, **loop_config):
+    """A run of `regression_loop`."""
     return ElasticTrainer(
         regression_loop,
         train_loop_config={"max_steps": max_steps, **loop_config},
@@ -33,23 +29,16 @@ def _fit(tmp_path, name, scaling, strategy=Strategy(), faults=(), max_steps=MAX_
         strategy=strategy,
         faults=list(faults),
         show_progress=False,
-    ).fit()
+    )
+
+
+def _fit(*args, **kwargs):
+    return _trainer(*args, **kwargs).fit()
 
 
 def _fit_held(tmp_path, name, gate_step, until, **fit_args):
-    """`_fit` with training held before step `gate_step` until `until(events)` holds, so a test
-    can wait for a state of the run (a worker started) instead of racing it."""
-    gate = tmp_path / f"{name}-gate"
-    run = concurrent.futures.ThreadPoolExecutor(1).submit(_fit, tmp_path, name, gate=(gate_step, str(gate)), **fit_args)
-    storage = RunStorage(str(tmp_path), name)
-    while not run.done() and not until(read_events(storage)):
-        time.sleep(0.05)
-    gate.touch()
-    return run.result()
-
-
-def _started(count):
-    return lambda events: len([e for e in events if e["type"] == "worker_started"]) >= count
+    """`_fit` held before step `gate_step` until `until(events)` holds (`fit_held`)."""
+    return fit_held(_trainer(tmp_path, name, gate=(gate_step, str(tmp_path / f"{name}-gate")), **fit_args), until)
 
 
 def _grow_to_3_once_formed():
@@ -67,7 +56,7 @@ def _grow_to_3_once_formed():
     def formed_then_freed(events):
         if any(e["type"] == "generation_formed" for e in events):
             ray.kill(hog)
-            return _started(3)(events)
+            return workers_started(3)(events)
         return False
 
     return formed_then_freed
@@ -123,7 +112,7 @@ def test_local_sgd_heals_a_death_by_rolling_back_to_its_last_sync(local_ray, tmp
 
 def test_diloco_rolls_a_mid_interval_death_back_and_replays_the_interval_exactly_once(local_ray, tmp_path):
     # Held at step 14 until the replacement started, so it joins in a grow before the end.
-    result = _fit_held(tmp_path, "diloco-kill", 14, _started(3), scaling=ScalingConfig(min_workers=1, max_workers=2),
+    result = _fit_held(tmp_path, "diloco-kill", 14, workers_started(3), scaling=ScalingConfig(min_workers=1, max_workers=2),
                        strategy=Strategy(sync="diloco:every=8"), faults=[Fault(kind="kill", rank=1, step=13)],
                        max_steps=32)
     [recovery] = result.events_of("recovery")

@@ -13,6 +13,7 @@ the model and the outer state are the same on every rank.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import random
@@ -20,6 +21,10 @@ import signal
 import threading
 import time
 
+import numpy
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import ray
 import torch
 import torch.distributed as dist
@@ -125,9 +130,7 @@ def regression_loop(config: dict) -> dict:
             raise ValueError(f"injected user error on rank {ctx.rank} at step {step.index}")
         elastic.report({"loss": loss.item()})
         time.sleep(config.get("sleep_s", 0.0))
-        gate_step, gate_file = config.get("gate", (-1, ""))
-        while step.index == gate_step and not os.path.exists(gate_file):
-            time.sleep(0.01)  # held until the test opens the gate: a state of the run it waits for
+        hold_at_gate(config, step.index)
     if sync_every:
         check_synced(ctx, synced_at)  # the run's last step ends with a sync
     with torch.no_grad():
@@ -145,6 +148,94 @@ def regression_loop(config: dict) -> dict:
         "skipped": skipped,
         "synced_at": synced_at,
     }
+
+
+def write_regression_parquet(folder: str, num_samples: int, files: int, filesystem=None, row_group_size: int = 16) -> None:
+    """`regression_data` as Parquet: `files` files of row groups of `row_group_size` rows, with
+    columns x (16 float64) and y (float64), sample i in row i of the files in name order."""
+    x, y = regression_data(num_samples).tensors
+    fs = filesystem or pafs.LocalFileSystem()
+    fs.create_dir(folder, recursive=True)
+    bounds = [num_samples * f // files for f in range(files + 1)]
+    for f, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        table = pa.table({"x": pa.array(x[start:stop].tolist(), pa.list_(pa.float64(), 16)),
+                          "y": pa.array(y[start:stop, 0].tolist(), pa.float64())})
+        with fs.open_output_stream(f"{folder}/part-{f:03d}.parquet") as out:
+            pq.write_table(table, out, row_group_size=row_group_size)
+
+
+def streaming_loop(config: dict) -> dict:
+    """Streams `config["source"]` (Parquet from `write_regression_parquet`) through
+    elastic.ParquetDataset, with an LR scheduler registered as state, and draws from the torch,
+    python and numpy generators every step into the loss, so the run equals a fault-free one
+    only if the RNG states and the scheduler travel with every heal and grow. Keeps a
+    per-sample ledger and checks that the synced state (RNG included) is identical on every
+    rank when each generation starts."""
+    ctx = elastic.get_context()
+    random.seed(0)
+    numpy.random.seed(0)
+    dataset = elastic.ParquetDataset(config["source"], filesystem=config.get("filesystem"), cache_rows=64)
+    model = ctx.prepare_model(build_mlp())
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
+    ctx.register_state("scheduler", scheduler)
+    ledger = torch.zeros(config["epochs"], len(dataset), dtype=torch.float64)
+    ctx.register_state("ledger", ledger)
+    checked: list[int] = []
+    for step in ctx.steps(dataset):
+        with step:
+            if not checked or checked[-1] != ctx.generation:
+                digests = [None] * ctx.world_size
+                dist.all_gather_object(digests, state_digest(*ctx.synced_state().values()))
+                if len(set(digests)) != 1:
+                    raise AssertionError(f"ranks differ after generation {ctx.generation} formed: {digests}")
+                checked.append(ctx.generation)
+            scale = 1 + 0.1 * (torch.rand(()).item() + random.random() + float(numpy.random.rand()))
+            counts = torch.zeros(len(dataset), dtype=torch.float64)
+            for mb in step.micro_batches():
+                counts[mb.indices] += 1
+                loss = torch.nn.functional.mse_loss(model(mb.data["x"]).squeeze(1), mb.data["y"])
+                mb.backward(loss * scale)
+            dist.all_reduce(counts)
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            ledger[step.cursor.epoch] += counts
+        time.sleep(config.get("sleep_s", 0.0))
+        hold_at_gate(config, step.index)
+    return {
+        "params": {k: v.clone() for k, v in model.module.state_dict().items()},
+        "ledger": ledger.clone(),
+        "checked": checked,
+        "scheduler_steps": scheduler.last_epoch,
+        "lr": optimizer.param_groups[0]["lr"],
+    }
+
+
+def hold_at_gate(config: dict, step_index: int) -> None:
+    """Hold the train loop after step `config["gate"][0]` until the file `config["gate"][1]`
+    exists: `fit_held` opens it when the run reached the state a test waits for."""
+    gate_step, gate_file = config.get("gate", (-1, ""))
+    while step_index == gate_step and not os.path.exists(gate_file):
+        time.sleep(0.01)
+
+
+def fit_held(trainer, until):
+    """`trainer.fit()` with its loop held at its gate (train_loop_config["gate"]) until
+    `until(events)` holds, so a test waits for a state of the run (a worker started) instead
+    of racing it on a slow machine."""
+    gate_file = trainer.train_loop_config["gate"][1]
+    run = concurrent.futures.ThreadPoolExecutor(1).submit(trainer.fit)
+    storage = RunStorage(trainer.run_config.storage_path, trainer.run_config.name, trainer.run_config.storage_filesystem)
+    while not run.done() and not until(read_events(storage)):
+        time.sleep(0.05)
+    open(gate_file, "w").close()
+    return run.result()
+
+
+def workers_started(count: int):
+    """An `until` for `fit_held`: `count` workers have started."""
+    return lambda events: len([e for e in events if e["type"] == "worker_started"]) >= count
 
 
 def check_synced(ctx, synced_at: list[int]) -> None:

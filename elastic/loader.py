@@ -1,0 +1,123 @@
+"""This rank's micro-batches of a step: which samples (from the cursor), read and collated,
+in background threads ahead of the step when `DataConfig(prefetch_threads>0)`.
+
+A prefetched step is keyed by everything that decides its samples: the cursor, the world
+size and the rank. When a heal or a grow changes any of them, the batches prefetched for
+the old key are dropped and the new key is read, from the cursor the generation synced, so
+nothing is consumed twice and nothing is skipped.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elastic import data as data_math
+from elastic.config import DataConfig
+from elastic.errors import ElasticError
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """One micro-batch as read: its sample ids, the collated data, and its samples' count for
+    the gradient weight (0 for the stand-in of a rank with nothing to do in the step)."""
+
+    indices: torch.Tensor
+    data: Any
+    samples: int
+
+
+StepKey = tuple[int, int, int, int]  # epoch, consumed, world size, rank
+
+
+class Loader:
+    """Reads the micro-batches of this rank's share of each step from a map-style dataset."""
+
+    def __init__(self, dataset: Any, config: DataConfig, pin_memory: bool = False) -> None:
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise ElasticError(
+                f"ctx.steps() needs a map-style dataset (with __len__ and __getitem__), got "
+                f"{type(dataset).__name__}; wrap the samples in a torch Dataset, or use elastic.ParquetDataset"
+            )
+        self.dataset = dataset
+        self.config = config
+        self.num_samples = len(dataset)
+        if self.num_samples < config.global_batch_size:
+            raise ElasticError(
+                f"the dataset has {self.num_samples} samples, fewer than global_batch_size("
+                f"{config.global_batch_size}); use a larger dataset or a smaller global batch"
+            )
+        blocks = getattr(dataset, "block_sizes", None)
+        self._blocks = list(blocks) if blocks is not None else data_math.map_style_blocks(self.num_samples)
+        self._orders: dict[int, data_math.EpochOrder] = {}
+        self._pin = pin_memory
+        self._pool = (ThreadPoolExecutor(config.prefetch_threads, thread_name_prefix="elastic-prefetch")
+                      if config.prefetch_threads else None)
+        self._ahead: dict[StepKey, Future] = {}
+
+    def step_samples(self, cursor: data_math.DataCursor) -> int:
+        return cursor.step_samples(self.config.global_batch_size, self.num_samples)
+
+    def advance(self, cursor: data_math.DataCursor) -> data_math.DataCursor:
+        return cursor.advance(self.config.global_batch_size, self.num_samples, self.config.drop_last)
+
+    def step(self, cursor: data_math.DataCursor, world_size: int, rank: int) -> list[Loaded]:
+        """The micro-batches of rank's share of the step at `cursor`, and the next steps' reads started."""
+        key = (cursor.epoch, cursor.consumed, world_size, rank)
+        if self._pool is None:
+            return self._read(key)
+        ready = self._ahead.pop(key, None)
+        upcoming, next_cursor = [], cursor
+        for _ in range(self.config.prefetch_steps):
+            next_cursor = self.advance(next_cursor)
+            upcoming.append((next_cursor.epoch, next_cursor.consumed, world_size, rank))
+        for stale in set(self._ahead) - set(upcoming):
+            self._ahead.pop(stale).cancel()
+        for ahead in upcoming:
+            if ahead not in self._ahead:
+                self._ahead[ahead] = self._pool.submit(self._read, ahead)
+        return ready.result() if ready is not None else self._read(key)
+
+    def _read(self, key: StepKey) -> list[Loaded]:
+        epoch, consumed, world_size, rank = key
+        cursor = data_math.DataCursor(epoch, consumed, self.config.seed)
+        step_samples = self.step_samples(cursor)
+        start, stop = data_math.step_positions(cursor, step_samples, world_size, rank)
+        order = self._order(epoch)
+        if start == stop:
+            # The epoch's last step has fewer samples than ranks: this rank still joins the
+            # gradient all-reduce, with a pass over one of the step's samples that weighs 0.
+            return [Loaded(torch.empty(0, dtype=torch.int64), self._fetch(order.ids(cursor.consumed, cursor.consumed + 1)), 0)]
+        ids = order.ids(start, stop)
+        return [Loaded(ids[a:b], self._fetch(ids[a:b]), b - a)
+                for a, b in data_math.micro_bounds(stop - start, self.config.micro_batch_size)]
+
+    def _fetch(self, ids: torch.Tensor) -> Any:
+        batch = data_math.fetch(self.dataset, ids)
+        return _pinned(batch) if self._pin else batch
+
+    def _order(self, epoch: int) -> data_math.EpochOrder:
+        # Prefetch threads may ask for the next epoch while the train thread is in this one.
+        order = self._orders.get(epoch)
+        if order is None:
+            cfg = self.config
+            order = data_math.EpochOrder(self._blocks, epoch, cfg.seed, cfg.shuffle, cfg.shuffle_window)
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1} | {epoch: order}
+        return order
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _pinned(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, dict):
+        return {k: _pinned(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_pinned(v) for v in batch)
+    return batch

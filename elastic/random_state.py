@@ -1,0 +1,71 @@
+"""The process's random number generators as one piece of synced, checkpointed state.
+
+Registered by every run under the name "rng": after a heal or a grow every rank holds the
+source rank's python, numpy, torch (and, once initialised, CUDA) generator states, and a
+checkpoint resumes them. So a newcomer draws the same dropout masks and augmentations as
+the rank it replaced would have, and a resumed run continues the fault-free run's streams.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+try:
+    import numpy
+except ImportError:  # numpy is optional for torch; without it there is no numpy stream to keep
+    numpy = None
+
+
+class RandomState:
+    """state_dict()/load_state_dict() over the global generators, in tensors that sync as a flat
+    buffer; `mark()` and `rewind()` put them back to a step's start when the step fails, so a
+    redone step draws what the fault-free run drew."""
+
+    def __init__(self) -> None:
+        self._mark: tuple | None = None
+
+    def mark(self) -> None:
+        self._mark = (torch.get_rng_state(), random.getstate(),
+                      numpy.random.get_state() if numpy is not None else None,
+                      torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+
+    def rewind(self) -> None:
+        if self._mark is None:
+            return
+        torch_state, python_state, numpy_state, cuda_state = self._mark
+        torch.set_rng_state(torch_state)
+        random.setstate(python_state)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state_all(cuda_state)
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        state: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": torch.tensor([version, *internal], dtype=torch.int64),
+            "python_gauss": torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64),
+        }
+        if numpy is not None:
+            _, keys, position, has_gauss, cached = numpy.random.get_state()
+            state["numpy"] = torch.tensor([*keys.tolist(), position, has_gauss], dtype=torch.int64)
+            state["numpy_gauss"] = torch.tensor([cached], dtype=torch.float64)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"].cpu())
+        python = state["python"].tolist()
+        gauss = float(state["python_gauss"][0])
+        random.setstate((python[0], tuple(python[1:]), None if gauss != gauss else gauss))
+        if numpy is not None and "numpy" in state:
+            values = state["numpy"].tolist()
+            keys = numpy.array(values[:-2], dtype=numpy.uint32)
+            numpy.random.set_state(("MT19937", keys, values[-2], values[-1], float(state["numpy_gauss"][0])))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(state["cuda"].cpu()))
