@@ -52,9 +52,10 @@ from elastic.group import (
     leave_group,
     rendezvous,
 )
-from elastic.loader import Loader
+from elastic.loader import Loader, open_loader
 from elastic.mailbox import GenerationMailbox
 from elastic.random_state import RandomState
+from elastic.stream import StreamLoader
 from elastic.state_sync import load_into, state_of, sync_state
 from elastic.techniques import Techniques
 
@@ -98,10 +99,11 @@ class MicroBatch:
 class Step:
     """One optimizer step; use it as `with step:` so a lost peer heals instead of crashing."""
 
-    def __init__(self, ctx: "TrainContext", index: int, cursor: data_math.DataCursor) -> None:
+    def __init__(self, ctx: "TrainContext", index: int, cursor: data_math.DataCursor, samples: int) -> None:
         self._ctx = ctx
         self.index = index
         self.cursor = cursor
+        self.samples = samples  # in the whole step, across ranks
         self.rank = ctx.rank
         self.world_size = ctx.world_size
         self.entered = False
@@ -197,7 +199,7 @@ class TrainContext:
         self._cursor = data_math.DataCursor(seed=data_config.seed)
         self._current_step: Step | None = None
         self._flag: tuple[dist.Work, torch.Tensor] | None = None
-        self._loader: Loader | None = None
+        self._loader: Loader | StreamLoader | None = None
 
     # --- what the train loop sees ------------------------------------------------------
     @property
@@ -291,7 +293,9 @@ class TrainContext:
 
     def steps(self, dataset: Any) -> Iterator[Step]:
         """Yield each remaining global step of the run, healing and rescaling in between."""
-        self._loader = Loader(dataset, self.data_config, pin_memory=self.device.type == "cuda")
+        self._loader = open_loader(dataset, self.data_config, pin_memory=self.device.type == "cuda")
+        if isinstance(self._loader, StreamLoader):
+            self._objects["data_stream"] = self._loader  # its position is synced and checkpointed
         self._train_thread = threading.get_ident()
         self._join(reason="start")
         max_steps = self.data_config.max_steps
@@ -304,7 +308,8 @@ class TrainContext:
                 continue
             self.faults.at("step_start", self.rank, self._step_index, self._compute_s)
             self._random.mark()
-            step = Step(self, self._step_index, self._cursor)
+            self._cursor = self._loader.settle(self._cursor)
+            step = Step(self, self._step_index, self._cursor, self._loader.step_samples(self._cursor))
             self._current_step = step
             yield step
             self._current_step = None
@@ -353,7 +358,6 @@ class TrainContext:
     # --- steps and micro-batches -------------------------------------------------------
     def _micro_batches(self, step: Step) -> Iterator[MicroBatch]:
         loaded = self._loader.step(step.cursor, step.world_size, step.rank)
-        step_samples = self._loader.step_samples(step.cursor)
         ddp = self._model.ddp if self._model else None
         if self.faults.slow_extra_s:
             time.sleep(self.faults.slow_extra_s)  # an injected straggler
@@ -361,7 +365,7 @@ class TrainContext:
             batch = MicroBatch(
                 data=_to_device(micro.data, self.device),
                 indices=micro.indices,
-                weight=data_math.gradient_weight(micro.samples, step.world_size, step_samples),
+                weight=data_math.gradient_weight(micro.samples, step.world_size, step.samples),
                 on_sync=(lambda: self._enter_sync(step)) if i == len(loaded) - 1 else None,
                 run_backward=self.techniques.precision.backward,
             )
@@ -394,7 +398,7 @@ class TrainContext:
                     "generation": self.generation,
                     "step_s": time.perf_counter() - step.started,
                     "compute_s": step.compute_s,
-                    "samples": self._loader.step_samples(step.cursor),
+                    "samples": step.samples,
                     "time": time.time(),
                 }
             )

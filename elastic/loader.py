@@ -1,5 +1,7 @@
-"""This rank's micro-batches of a step: which samples (from the cursor), read and collated,
-in background threads ahead of the step when `DataConfig(prefetch_threads>0)`.
+"""This rank's micro-batches of a step from a map-style dataset: which samples (from the
+cursor), read and collated, in background threads ahead of the step when
+`DataConfig(prefetch_threads>0)`. `open_loader` picks this or `elastic.stream.StreamLoader`
+(iterable datasets).
 
 A prefetched step is keyed by everything that decides its samples: the cursor, the world
 size and the rank. When a heal or a grow changes any of them, the batches prefetched for
@@ -11,13 +13,16 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from elastic import data as data_math
 from elastic.config import DataConfig
 from elastic.errors import ElasticError
+
+if TYPE_CHECKING:
+    from elastic.stream import StreamLoader
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,21 @@ class Loaded:
 
 
 StepKey = tuple[int, int, int, int]  # epoch, consumed, world size, rank
+
+
+def open_loader(dataset: Any, config: DataConfig, pin_memory: bool = False) -> "Loader | StreamLoader":
+    """The loader for `dataset`: iterable datasets are streamed, everything else indexed."""
+    from elastic.stream import StreamLoader  # it builds on this module
+
+    if isinstance(dataset, torch.utils.data.IterableDataset) or (
+            hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")):
+        return StreamLoader(dataset, config)
+    return Loader(dataset, config, pin_memory)
+
+
+def micro_batches_of(ids: torch.Tensor, collate: Callable[[int, int], Any], micro_batch_size: int) -> list[Loaded]:
+    """`ids` (a rank's share) cut into micro-batches; `collate(a, b)` reads ids[a:b]."""
+    return [Loaded(ids[a:b], collate(a, b), b - a) for a, b in data_math.micro_bounds(len(ids), micro_batch_size)]
 
 
 class Loader:
@@ -57,6 +77,10 @@ class Loader:
         self._pool = (ThreadPoolExecutor(config.prefetch_threads, thread_name_prefix="elastic-prefetch")
                       if config.prefetch_threads else None)
         self._ahead: dict[StepKey, Future] = {}
+
+    def settle(self, cursor: data_math.DataCursor) -> data_math.DataCursor:
+        """The cursor of the step that starts at `cursor`: itself (`advance` already ended the epoch)."""
+        return cursor
 
     def step_samples(self, cursor: data_math.DataCursor) -> int:
         return cursor.step_samples(self.config.global_batch_size, self.num_samples)
@@ -92,8 +116,7 @@ class Loader:
             # gradient all-reduce, with a pass over one of the step's samples that weighs 0.
             return [Loaded(torch.empty(0, dtype=torch.int64), self._fetch(order.ids(cursor.consumed, cursor.consumed + 1)), 0)]
         ids = order.ids(start, stop)
-        return [Loaded(ids[a:b], self._fetch(ids[a:b]), b - a)
-                for a, b in data_math.micro_bounds(stop - start, self.config.micro_batch_size)]
+        return micro_batches_of(ids, lambda a, b: self._fetch(ids[a:b]), self.config.micro_batch_size)
 
     def _fetch(self, ids: torch.Tensor) -> Any:
         batch = data_math.fetch(self.dataset, ids)

@@ -1,6 +1,7 @@
-"""Streaming Parquet through heals and grows: a multi-file data set read row group by row group,
-with prefetch threads, on local storage and on S3 (a moto server), consumed exactly once, and
-ending equal to a fault-free run because the scheduler and the RNG states travel too."""
+"""Streaming data through heals and grows: a multi-file Parquet data set read row group by row
+group, with prefetch threads, on local storage and on S3 (a moto server), consumed exactly
+once, and ending equal to a fault-free run because the scheduler and the RNG states travel
+too; and an IterableDataset whose position travels as synced state."""
 
 import pyarrow.fs as pafs
 import pytest
@@ -17,10 +18,11 @@ NUM_SAMPLES, GLOBAL_BATCH, EPOCHS = 194, 24, 2
 MAX_STEPS = EPOCHS * 9
 
 
-def _trainer(tmp_path, name, source, workers, faults=(), filesystem=None, prefetch_threads=1):
+def _trainer(tmp_path, name, source, workers, faults=(), filesystem=None, prefetch_threads=1, iterable=False):
     return ElasticTrainer(
         streaming_loop,
-        train_loop_config={"source": source, "filesystem": filesystem, "epochs": EPOCHS, "sleep_s": 0.02,
+        train_loop_config={"source": source, "filesystem": filesystem, "iterable": iterable, "num_samples": NUM_SAMPLES,
+                           "epochs": EPOCHS, "sleep_s": 0.02,
                            "gate": (12, str(tmp_path / f"{name}-gate"))},
         scaling_config=ScalingConfig(min_workers=workers[0], max_workers=workers[1]),
         run_config=RunConfig(name=name, storage_path=str(tmp_path / "runs")),
@@ -69,3 +71,12 @@ def test_a_streamed_parquet_run_on_s3_heals_exactly(reference, tmp_path, s3):
     result = fit_held(trainer, workers_started(4))
     assert result.events_of("recovery"), "the kill was not healed"
     _check(result, expected)
+
+
+def test_an_iterable_dataset_is_consumed_exactly_once_through_a_heal_and_a_grow(local_ray, tmp_path):
+    trainer = _trainer(tmp_path, "iterable", None, (2, 3), iterable=True,
+                       faults=[Fault(kind="kill", rank=0, step=6, where="allreduce")])
+    result = fit_held(trainer, workers_started(4))
+    assert [e["world_size"] for e in result.events_of("generation_formed")] == [3, 2, 3]
+    # The loop also checked, when each generation formed, that every rank holds the same stream position.
+    assert torch.equal(result.value["ledger"], torch.ones(EPOCHS, NUM_SAMPLES, dtype=torch.float64))

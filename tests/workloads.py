@@ -164,6 +164,26 @@ def write_regression_parquet(folder: str, num_samples: int, files: int, filesyst
             pq.write_table(table, out, row_group_size=row_group_size)
 
 
+class RegressionStream(torch.utils.data.IterableDataset):
+    """`regression_data` as a stream that saves its position (torchdata's Stateful protocol):
+    yields {"x", "y"} rows in order."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.x, self.y = regression_data(num_samples).tensors
+        self.position = 0
+
+    def __iter__(self):
+        while self.position < len(self.x):
+            self.position += 1
+            yield {"x": self.x[self.position - 1], "y": self.y[self.position - 1, 0]}
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
 def streaming_loop(config: dict) -> dict:
     """Streams `config["source"]` (Parquet from `write_regression_parquet`) through
     elastic.ParquetDataset, with an LR scheduler registered as state, and draws from the torch,
@@ -174,12 +194,15 @@ def streaming_loop(config: dict) -> dict:
     ctx = elastic.get_context()
     random.seed(0)
     numpy.random.seed(0)
-    dataset = elastic.ParquetDataset(config["source"], filesystem=config.get("filesystem"), cache_rows=64)
+    if config.get("iterable"):
+        dataset = RegressionStream(config["num_samples"])
+    else:
+        dataset = elastic.ParquetDataset(config["source"], filesystem=config.get("filesystem"), cache_rows=64)
     model = ctx.prepare_model(build_mlp())
     optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
     ctx.register_state("scheduler", scheduler)
-    ledger = torch.zeros(config["epochs"], len(dataset), dtype=torch.float64)
+    ledger = torch.zeros(config["epochs"], config["num_samples"], dtype=torch.float64)
     ctx.register_state("ledger", ledger)
     checked: list[int] = []
     for step in ctx.steps(dataset):
@@ -191,7 +214,7 @@ def streaming_loop(config: dict) -> dict:
                     raise AssertionError(f"ranks differ after generation {ctx.generation} formed: {digests}")
                 checked.append(ctx.generation)
             scale = 1 + 0.1 * (torch.rand(()).item() + random.random() + float(numpy.random.rand()))
-            counts = torch.zeros(len(dataset), dtype=torch.float64)
+            counts = torch.zeros(config["num_samples"], dtype=torch.float64)
             for mb in step.micro_batches():
                 counts[mb.indices] += 1
                 loss = torch.nn.functional.mse_loss(model(mb.data["x"]).squeeze(1), mb.data["y"])
