@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
+import numpy
 import torch
 from torch.utils.data import TensorDataset, default_collate
 
@@ -66,11 +67,12 @@ class EpochOrder:
 
     `block_sizes[b]` samples of block b have the ids that follow block b-1's. The order is a
     seeded permutation of the blocks, cut into windows of about `window` positions, each
-    permuted inside; without shuffling it is the ids in order.
+    permuted inside; without shuffling it is the ids in order. (numpy's searchsorted, not
+    torch's: torch 2.13's takes ~0.4 ms on sorted queries, numpy's microseconds.)
     """
 
     def __init__(self, block_sizes: Sequence[int], epoch: int, seed: int, shuffle: bool, window: int) -> None:
-        sizes = torch.tensor(list(block_sizes), dtype=torch.int64)
+        sizes = numpy.asarray(block_sizes, dtype=numpy.int64)
         if len(sizes) == 0 or int(sizes.min()) <= 0:
             raise ValueError(f"block sizes must be positive, got {list(block_sizes)[:8]}")
         self.num_samples = int(sizes.sum())
@@ -78,38 +80,37 @@ class EpochOrder:
         self._key = (seed * 1_000_003 + epoch) * 1_000_033
         if not shuffle:
             return
-        first_ids = torch.cumsum(sizes, 0) - sizes
-        blocks = torch.randperm(len(sizes), generator=_generator(self._key))
+        first_ids = numpy.cumsum(sizes) - sizes
+        blocks = torch.randperm(len(sizes), generator=_generator(self._key)).numpy()
         self._sizes, self._first_ids = sizes[blocks], first_ids[blocks]
         # Position of each (permuted) block's first sample; a block belongs to the window its
         # first sample falls in, so windows hold whole blocks.
-        self._block_starts = torch.cumsum(self._sizes, 0) - self._sizes
+        self._block_starts = numpy.cumsum(self._sizes) - self._sizes
         window_of_block = self._block_starts // window
-        _, blocks_per_window = torch.unique_consecutive(window_of_block, return_counts=True)
-        self._window_first_block = torch.cumsum(blocks_per_window, 0) - blocks_per_window
-        self._window_starts = self._block_starts[self._window_first_block]
-        self._windows: dict[int, torch.Tensor] = {}  # the permutation of recently used windows
+        first_of_window = numpy.flatnonzero(numpy.diff(window_of_block, prepend=-1))
+        self._window_starts = self._block_starts[first_of_window]
+        self._windows: dict[int, numpy.ndarray] = {}  # the permutation of recently used windows
 
     def ids(self, start: int, stop: int) -> torch.Tensor:
         """Sample ids at positions [start, stop) of the epoch."""
-        positions = torch.arange(start, stop, dtype=torch.int64)
+        positions = numpy.arange(start, stop, dtype=numpy.int64)
         if not self._shuffle:
-            return positions
-        windows = torch.searchsorted(self._window_starts, positions, right=True) - 1
-        out = torch.empty_like(positions)
-        for w in torch.unique(windows).tolist():
+            return torch.from_numpy(positions)
+        windows = numpy.searchsorted(self._window_starts, positions, side="right") - 1
+        out = numpy.empty_like(positions)
+        for w in numpy.unique(windows).tolist():
             here = windows == w
             shuffled = self._window(w)[positions[here] - self._window_starts[w]] + self._window_starts[w]
-            block = torch.searchsorted(self._block_starts, shuffled, right=True) - 1
+            block = numpy.searchsorted(self._block_starts, shuffled, side="right") - 1
             out[here] = self._first_ids[block] + (shuffled - self._block_starts[block])
-        return out
+        return torch.from_numpy(out)
 
-    def _window(self, w: int) -> torch.Tensor:
+    def _window(self, w: int) -> numpy.ndarray:
         permutation = self._windows.get(w)
         if permutation is None:
             first = int(self._window_starts[w])
             stop = int(self._window_starts[w + 1]) if w + 1 < len(self._window_starts) else self.num_samples
-            permutation = torch.randperm(stop - first, generator=_generator(self._key + w + 1))
+            permutation = torch.randperm(stop - first, generator=_generator(self._key + w + 1)).numpy()
             # Keep two windows: a step may straddle a boundary. Replaced whole, not mutated,
             # because prefetch threads read the next step's window at the same time.
             self._windows = {k: v for k, v in self._windows.items() if k == w - 1} | {w: permutation}

@@ -12,6 +12,7 @@ import threading
 from collections import OrderedDict
 from typing import Sequence
 
+import numpy
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
@@ -42,11 +43,12 @@ class ParquetDataset:
         if not self._row_groups:
             raise ValueError(f"ParquetDataset({source!r}) has no rows; point it at non-empty Parquet files")
         self.block_sizes = [group.row_groups[0].num_rows for group in self._row_groups]
-        sizes = torch.tensor(self.block_sizes, dtype=torch.int64)
-        self._first_ids = torch.cumsum(sizes, 0) - sizes
+        sizes = numpy.asarray(self.block_sizes, dtype=numpy.int64)
+        self._first_ids = numpy.cumsum(sizes) - sizes
         self.cache_rows = cache_rows
         self._cache: OrderedDict[int, pa.Table] = OrderedDict()
         self._lock = threading.Lock()
+        self._reading: dict[int, threading.Event] = {}  # row groups being read, by block
         self.row_groups_read = 0
 
     def __len__(self) -> int:
@@ -56,40 +58,56 @@ class ParquetDataset:
         return {k: v[0] for k, v in self.__getitems__([index]).items()}
 
     def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        ids = torch.as_tensor(indices, dtype=torch.int64)
+        ids = numpy.asarray(indices, dtype=numpy.int64)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= len(self)):
             raise IndexError(f"sample ids must be in [0, {len(self)}), got {indices[:8]}")
-        blocks = torch.searchsorted(self._first_ids, ids, right=True) - 1
-        order = torch.argsort(blocks, stable=True)
-        parts = []
-        for block in torch.unique(blocks).tolist():
-            rows = ids[blocks == block] - self._first_ids[block]
-            parts.append(self._block(block).take(pa.array(rows.numpy())))
+        blocks = numpy.searchsorted(self._first_ids, ids, side="right") - 1
+        order = numpy.argsort(blocks, kind="stable")
+        parts = [self._block(int(block)).take(ids[order[start:stop]] - self._first_ids[block])
+                 for block, start, stop in _runs(blocks[order])]
         # The parts follow the blocks' order; put the rows back in the order they were asked for.
-        rows = pa.concat_tables(parts).take(pa.array(torch.argsort(order).numpy()))
+        rows = pa.concat_tables(parts).take(numpy.argsort(order))
         return {name: _column_tensor(rows.column(name)) for name in self.columns}
 
     def _block(self, block: int) -> pa.Table:
-        with self._lock:
-            if block in self._cache:
-                self._cache.move_to_end(block)
-                return self._cache[block]
-        # Read outside the lock: pyarrow releases the GIL, so prefetch threads read in parallel.
-        table = self._row_groups[block].to_table(columns=self.columns)
-        with self._lock:
-            self.row_groups_read += 1
-            self._cache[block] = table
-            held = sum(t.num_rows for t in self._cache.values())
-            while held > self.cache_rows and len(self._cache) > 1:
-                held -= self._cache.popitem(last=False)[1].num_rows
+        while True:
+            with self._lock:
+                if block in self._cache:
+                    self._cache.move_to_end(block)
+                    return self._cache[block]
+                reading = self._reading.get(block)
+                if reading is None:
+                    reading = self._reading[block] = threading.Event()
+                    break
+            reading.wait()  # another thread reads this row group: take its copy, never read twice
+        try:
+            # Read outside the lock: pyarrow releases the GIL, so prefetch threads read in parallel.
+            table = self._row_groups[block].to_table(columns=self.columns)
+            with self._lock:
+                self.row_groups_read += 1
+                self._cache[block] = table
+                held = sum(t.num_rows for t in self._cache.values())
+                while held > self.cache_rows and len(self._cache) > 1:
+                    held -= self._cache.popitem(last=False)[1].num_rows
+        finally:
+            with self._lock:
+                del self._reading[block]
+            reading.set()
         return table
 
     def __getstate__(self) -> dict:
         # The cache and the lock stay behind: a copy sent to a worker reads afresh.
-        return {**self.__dict__, "_cache": OrderedDict(), "_lock": None}
+        return {**self.__dict__, "_cache": OrderedDict(), "_lock": None, "_reading": {}}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _lock=threading.Lock())
+
+
+def _runs(values: numpy.ndarray) -> list[tuple[int, int, int]]:
+    """(value, start, stop) of each run of equal values in sorted `values`."""
+    starts = numpy.flatnonzero(numpy.diff(values, prepend=-1))
+    stops = numpy.append(starts[1:], len(values))
+    return [(int(values[a]), int(a), int(b)) for a, b in zip(starts, stops)]
 
 
 def _column_tensor(column: pa.ChunkedArray) -> torch.Tensor:
