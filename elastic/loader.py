@@ -59,8 +59,9 @@ class Loader:
     def __init__(self, dataset: Any, config: DataConfig, pin_memory: bool = False) -> None:
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise ElasticError(
-                f"ctx.steps() needs a map-style dataset (with __len__ and __getitem__), got "
-                f"{type(dataset).__name__}; wrap the samples in a torch Dataset, or use elastic.ParquetDataset"
+                f"ctx.steps() needs a map-style dataset (with __len__ and __getitem__) or an iterable one (with "
+                f"__iter__, state_dict and load_state_dict), got {type(dataset).__name__}; wrap the samples in a "
+                "torch Dataset, or use elastic.ParquetDataset"
             )
         self.dataset = dataset
         self.config = config

@@ -99,3 +99,11 @@ def test_an_iterable_dataset_that_cannot_save_its_position_is_refused():
                                            r"load_state_dict\(\).*torchdata's Stateful"):
         open_loader(Forgetful(), _config())
     assert isinstance(open_loader(Counting(20), _config()), StreamLoader)
+    with pytest.raises(ElasticError, match=r"ctx.steps\(\) needs a map-style dataset .* or an iterable one .*got int"):
+        open_loader(42, _config())
+
+
+def test_an_iterable_dataset_with_no_sample_in_an_epoch_is_refused():
+    loader = open_loader(Counting(0), _config())
+    with pytest.raises(ElasticError, match=r"Counting yielded 0 samples in epoch 0, fewer than one"):
+        loader.settle(DataCursor())

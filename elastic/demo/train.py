@@ -68,7 +68,7 @@ class DemoConfig(BaseModel):
 
     def data_config(self) -> DataConfig:
         return DataConfig(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
-                          max_steps=self.steps, seed=self.seed)
+                          max_steps=self.steps, seed=self.seed, prefetch_threads=1)
 
     def run_config(self) -> RunConfig:
         # Local SGD checkpoints only at its syncs: round the interval up to a multiple of them.
@@ -92,6 +92,9 @@ def train_loop(config: dict[str, Any]) -> None:
     dataset = elastic.ParquetDataset(str(corpus))
     model = ctx.prepare_model(TinyLM(ModelConfig(seq_len=demo.seq_len), seed=demo.seed))
     optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=demo.lr))
+    # Registered state: a newcomer takes the live schedule's position instead of starting at step 0.
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=demo.steps, eta_min=demo.lr / 10)
+    ctx.register_state("scheduler", scheduler)
     for step in ctx.steps(dataset):
         with step:
             loss_sum, windows = 0.0, 0
@@ -104,6 +107,7 @@ def train_loop(config: dict[str, Any]) -> None:
                 windows += len(tokens)
             optimizer.step()
             optimizer.zero_grad()
+            scheduler.step()
         # A step whose peer died is redone in the next generation; only committed steps report.
         if step.committed:
             elastic.report({"loss": loss_sum / windows})
