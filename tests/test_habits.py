@@ -1,0 +1,217 @@
+"""What Ray Train and PyTorch users do by habit works, or fails clearly: a prepared model that
+is an nn.Module (called before the first step, compiled), `report(checkpoint=...)` with
+`get_checkpoint()` through a heal and a resume, an evaluation's own collectives through a
+peer's death, and a plain `loss.backward()` refused by name.
+"""
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+
+import pytest
+import ray
+import torch
+
+import elastic
+from elastic import CheckpointConfig, DataConfig, ElasticTrainer, RunConfig, ScalingConfig
+from elastic.checkpoint import Checkpoint, checkpoint_storage, verify
+from elastic.context import TrainContext
+from elastic.errors import ReportedCheckpointError, TrainingFailedError
+from elastic.mailbox import GenerationMailbox
+from elastic.reported import files_to_store
+from elastic.storage import RunStorage
+from workloads import GLOBAL_BATCH, build_mlp, regression_data
+
+# The train loops below are defined here; Ray workers cannot import the tests folder.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.timeout(240)
+
+SCHEDULED = CheckpointConfig(every_steps=2)
+
+
+def habits_loop(config: dict) -> dict:
+    """Trains the regression MLP the way a Ray Train user writes it: evaluates before training,
+    resumes from `get_checkpoint()`, evaluates with its own collectives after every step, and
+    reports a temporary directory as a checkpoint from rank 0 every 4 steps."""
+    ctx = elastic.get_context()
+    dataset = regression_data()
+    x, y = dataset.tensors
+    model = ctx.prepare_model(build_mlp())
+    if config.get("compile"):
+        model = torch.compile(model)
+    with torch.no_grad():
+        loss_before_training = torch.nn.functional.mse_loss(model(x), y).item()
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    resumed_from = None
+    checkpoint = elastic.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            with open(os.path.join(directory, "meta", "step.txt")) as stream:
+                resumed_from = int(stream.read())
+    evaluation_failures = []
+    for step in ctx.steps(dataset):
+        with step:
+            for mb in step.micro_batches():
+                loss = torch.nn.functional.mse_loss(model(mb.data[0]), mb.data[1])
+                if config.get("plain_backward"):
+                    loss.backward()
+                else:
+                    mb.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        if (ctx.rank, step.index) == tuple(config.get("die_before_evaluation", ())):
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:
+            with ctx.between_steps() as block:
+                rows = slice(ctx.rank, None, ctx.world_size)
+                with torch.no_grad():
+                    mine = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
+                ctx.collectives.sample_mean(mine, samples=len(x[rows]))
+            if block.failed is None:
+                break
+            evaluation_failures.append(step.index)
+        if ctx.rank == 0 and ctx.step % 4 == 0:
+            with tempfile.TemporaryDirectory() as directory:  # gone when report returns, as in Ray Train
+                os.makedirs(os.path.join(directory, "meta"))
+                with open(os.path.join(directory, "meta", "step.txt"), "w") as stream:
+                    stream.write(str(ctx.step))
+                elastic.report({"loss": loss.item()}, checkpoint=directory)
+        else:
+            elastic.report({"loss": loss.item()})
+    return {
+        "loss_before_training": loss_before_training,
+        "is_module": isinstance(model, torch.nn.Module),
+        "resumed_from": resumed_from,
+        "evaluation_failures": evaluation_failures,
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
+
+
+def peer_dies_in_unguarded_collective_loop(config: dict) -> None:
+    ctx = elastic.get_context()
+    dataset = regression_data()
+    model = ctx.prepare_model(build_mlp())
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    for step in ctx.steps(dataset):
+        with step:
+            for mb in step.micro_batches():
+                mb.backward(torch.nn.functional.mse_loss(model(mb.data[0]), mb.data[1]))
+            optimizer.step()
+            optimizer.zero_grad()
+        if ctx.rank == 1 and step.index == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ctx.collectives.all_reduce(torch.ones(1))  # an evaluation's collective, unguarded
+
+
+def trainer(tmp_path, name, scaling, max_steps=8, loop=habits_loop, faults=(), **loop_config) -> ElasticTrainer:
+    return ElasticTrainer(
+        loop, train_loop_config=loop_config, scaling_config=scaling,
+        run_config=RunConfig(name=name, storage_path=str(tmp_path),
+                             checkpoint_config=CheckpointConfig(every_steps=2, keep_last=10)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=max_steps, seed=3),
+        faults=list(faults), show_progress=False,
+    )
+
+
+def reported_step(checkpoint: Checkpoint) -> int:
+    with checkpoint.as_directory() as directory:
+        with open(os.path.join(directory, "meta", "step.txt")) as stream:
+            return int(stream.read())
+
+
+def test_a_reported_directory_comes_back_from_get_checkpoint_after_a_heal_and_a_resume(local_ray, tmp_path):
+    """Rank 1 dies right before an evaluation's collective at step 5: the evaluation heals
+    inside `ctx.between_steps()` and is run again at the new world size. The directory rank 0
+    reported at steps 4 and 8 is in the checkpoints of those steps (and, until replaced, in the
+    one between), and the run resumed by name gets step 8's back from get_checkpoint()."""
+    first = trainer(tmp_path, "habits", ScalingConfig(min_workers=1, max_workers=2),
+                    die_before_evaluation=(1, 5)).fit()
+    assert first.value["resumed_from"] is None  # a fresh run has no checkpoint to give back
+    assert first.value["evaluation_failures"] == [5]
+    assert "heal" in [e["kind"] for e in first.events_of("generation_formed")]
+    run = RunStorage(str(tmp_path), "habits")
+    assert [reported_step(verify(checkpoint_storage(run, step))) for step in (4, 6, 8)] == [4, 4, 8]
+    assert verify(checkpoint_storage(run, 2)).reported_files() == []
+
+    resumed = trainer(tmp_path, "habits", ScalingConfig(num_workers=2), max_steps=12).fit()
+    assert resumed.value["resumed_from"] == 8
+    assert resumed.checkpoint.step == 12 and reported_step(resumed.checkpoint) == 12
+
+
+def test_the_prepared_model_is_an_nn_module_called_before_the_first_step(local_ray, tmp_path):
+    result = trainer(tmp_path, "module", ScalingConfig(num_workers=1), max_steps=2).fit()
+    x, y = regression_data().tensors
+    with torch.no_grad():
+        untrained = torch.nn.functional.mse_loss(build_mlp()(x), y).item()
+    assert result.value["is_module"]
+    assert result.value["loss_before_training"] == pytest.approx(untrained, rel=1e-12)
+
+
+def test_a_plain_loss_backward_on_a_micro_batch_fails_the_run_naming_mb_backward(local_ray, tmp_path):
+    with pytest.raises(TrainingFailedError, match=r"UnweightedBackwardError: step 0: 4 of the 4 micro-batches were "
+                       r"backpropagated without mb.backward\(loss\).*Call mb.backward\(loss\) for every micro-batch"):
+        trainer(tmp_path, "plain-backward", ScalingConfig(num_workers=1), max_steps=2, plain_backward=True).fit()
+
+
+def test_a_peer_dying_in_a_collective_outside_a_step_fails_the_run_naming_between_steps(local_ray, tmp_path):
+    with pytest.raises(TrainingFailedError, match=r"outside `with step`; wrap such collectives.*ctx.between_steps\(\)"):
+        trainer(tmp_path, "unguarded", ScalingConfig(num_workers=2), max_steps=4,
+                loop=peer_dies_in_unguarded_collective_loop).fit()
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None and shutil.which("gcc") is None,
+                    reason="torch.compile on CPU needs a C compiler (cc or gcc), and none is on PATH")
+def test_the_prepared_model_trains_under_torch_compile_to_the_same_parameters(local_ray, tmp_path):
+    scaling = ScalingConfig(num_workers=2)
+    compiled = trainer(tmp_path, "compiled", scaling, max_steps=4, compile=True).fit()
+    eager = trainer(tmp_path, "eager", scaling, max_steps=4).fit()
+    for name, value in eager.value["params"].items():
+        torch.testing.assert_close(compiled.value["params"][name], value, rtol=1e-9, atol=1e-12)
+
+
+# --- the bad inputs of report(checkpoint=...), without Ray --------------------------------
+
+def test_a_reported_checkpoint_that_is_not_a_directory_is_refused_saying_what_to_pass(tmp_path):
+    with pytest.raises(ReportedCheckpointError, match=r"is not a directory; pass the path of a local directory"):
+        files_to_store(str(tmp_path / "missing"), 0, SCHEDULED)
+    with pytest.raises(ReportedCheckpointError, match=r"a int is not a checkpoint; pass the path of a local "
+                       r"directory, or an object with as_directory\(\)"):
+        files_to_store(42, 0, SCHEDULED)
+
+
+def test_a_reported_checkpoint_on_a_rank_other_than_0_is_refused_saying_to_pass_it_on_rank_0(tmp_path):
+    with pytest.raises(ReportedCheckpointError, match=r"on rank 1; elastic stores the directory rank 0 reports.*"
+                       r"checkpoint=... if ctx.rank == 0 else None"):
+        files_to_store(str(tmp_path), 1, SCHEDULED)
+
+
+def test_a_reported_checkpoint_in_a_run_without_a_checkpoint_schedule_is_refused_naming_the_setting(tmp_path):
+    with pytest.raises(ReportedCheckpointError, match=r"schedules none; set CheckpointConfig\(every_steps=N\)"):
+        files_to_store(str(tmp_path), 0, CheckpointConfig())
+
+
+def test_a_reported_checkpoint_before_the_first_step_is_refused(tmp_path):
+    with pytest.raises(ReportedCheckpointError, match=r"before ctx.steps\(\) formed the first generation"):
+        files_to_store(str(tmp_path), -1, SCHEDULED)
+
+
+def test_a_reported_directory_is_read_whole_with_its_subfolders(tmp_path):
+    (tmp_path / "meta").mkdir()
+    (tmp_path / "meta" / "step.txt").write_text("4")
+    (tmp_path / "weights.bin").write_bytes(b"\x00\x01")
+    assert files_to_store(str(tmp_path), 0, SCHEDULED) == {"meta/step.txt": b"4", "weights.bin": b"\x00\x01"}
+
+
+def test_the_prepared_model_is_a_module_that_wraps_the_users_without_a_group():
+    ctx = TrainContext(DataConfig(global_batch_size=4, micro_batch_size=4, max_steps=1), GenerationMailbox(), [],
+                       lambda report: None, use_gpu=False)
+    mlp = build_mlp()
+    model = ctx.prepare_model(mlp)
+    x = regression_data().tensors[0]
+    assert isinstance(model, torch.nn.Module)
+    assert [id(p) for p in model.parameters()] == [id(p) for p in mlp.parameters()]
+    assert list(model.state_dict()) == [f"module.{k}" for k in mlp.state_dict()]  # as DDP's
+    assert torch.equal(model(x), mlp(x))  # no generation formed: the module itself
