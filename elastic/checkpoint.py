@@ -177,11 +177,14 @@ class Checkpoint:
         prefix = f"{REPORTED}/"
         return sorted(e["name"][len(prefix):] for e in self.manifest["files"] if e["name"].startswith(prefix))
 
+    def read_reported(self) -> dict[str, bytes]:
+        """The reported directory's files, by relative path."""
+        return {name: self._read(self._entry(f"{REPORTED}/{name}")) for name in self.reported_files()}
+
     def to_directory(self, path: str | None = None) -> str:
         """Write the reported directory's files below `path` (by default a new temporary
         directory) and return it, as Ray Train's `Checkpoint.to_directory` does."""
-        files = {name: self._read(self._entry(f"{REPORTED}/{name}")) for name in self.reported_files()}
-        return write_directory(files, path or tempfile.mkdtemp(prefix="elastic-checkpoint-"))
+        return write_directory(self.read_reported(), path or tempfile.mkdtemp(prefix="elastic-checkpoint-"))
 
     @contextlib.contextmanager
     def as_directory(self) -> Iterator[str]:

@@ -229,7 +229,9 @@ class TrainContext:
         self._on_fault = on_fault
         self._checkpoint_files: dict[str, bytes] = {}
         self._checkpoint_metadata: dict[str, Any] = {}
-        self._reported_files: dict[str, bytes] = {}  # the directory this rank last reported as rank 0
+        # The latest directory rank 0 reported, which rank 0 writes into every checkpoint; None
+        # until this worker reported one or, as rank 0, took the latest checkpoint's.
+        self._reported_files: dict[str, bytes] | None = None
         self._latest_checkpoint = latest_checkpoint  # asks the controller
         self._last_checkpoint = time.monotonic()
         self.checkpoint: Checkpoint | None = None
@@ -549,6 +551,10 @@ class TrainContext:
         if kept is None:
             return  # local SGD has not synced since the last checkpoint: nothing new to keep
         snapshot = take_snapshot(*kept)
+        if self.rank == 0 and self._reported_files is None:
+            # A new rank 0 (after a heal or a restart) carries the directory the old one reported.
+            latest = self._latest_checkpoint()
+            self._reported_files = latest.read_reported() if latest is not None else {}
         optimizer_shard = self.techniques.optimizer_shard()
         crash = self.faults.crash_checkpoint(self.rank, self._step_index)
         self._wait_for_writer()  # one upload at a time: back-pressure, reported as progress

@@ -35,13 +35,13 @@ SCHEDULED = CheckpointConfig(every_steps=2)
 def habits_loop(config: dict) -> dict:
     """Trains the regression MLP the way a Ray Train user writes it: evaluates before training,
     resumes from `get_checkpoint()`, evaluates with its own collectives after every step, and
-    reports a temporary directory as a checkpoint from rank 0 every 4 steps."""
+    reports a temporary directory as a checkpoint from rank 0 after the steps in `report_at`."""
     ctx = elastic.get_context()
     dataset = regression_data()
     x, y = dataset.tensors
-    model = ctx.prepare_model(build_mlp())
+    model = prepared = ctx.prepare_model(build_mlp())
     if config.get("compile"):
-        model = torch.compile(model)
+        model = torch.compile(prepared)
     with torch.no_grad():
         loss_before_training = torch.nn.functional.mse_loss(model(x), y).item()
     optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
@@ -63,6 +63,8 @@ def habits_loop(config: dict) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         if (ctx.rank, step.index) == tuple(config.get("die_before_evaluation", ())):
+            while elastic.get_checkpoint() is None:
+                pass  # dies once the directory it reported is in a complete checkpoint
             os.kill(os.getpid(), signal.SIGKILL)
         while True:
             with ctx.between_steps() as block:
@@ -73,7 +75,7 @@ def habits_loop(config: dict) -> dict:
             if block.failed is None:
                 break
             evaluation_failures.append(step.index)
-        if ctx.rank == 0 and ctx.step % 4 == 0:
+        if ctx.rank == 0 and ctx.step in config.get("report_at", ()):
             with tempfile.TemporaryDirectory() as directory:  # gone when report returns, as in Ray Train
                 os.makedirs(os.path.join(directory, "meta"))
                 with open(os.path.join(directory, "meta", "step.txt"), "w") as stream:
@@ -86,7 +88,8 @@ def habits_loop(config: dict) -> dict:
         "is_module": isinstance(model, torch.nn.Module),
         "resumed_from": resumed_from,
         "evaluation_failures": evaluation_failures,
-        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "params": {k: v.detach().clone() for k, v in prepared.state_dict().items()},
+        "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
     }
 
 
@@ -123,21 +126,21 @@ def reported_step(checkpoint: Checkpoint) -> int:
 
 
 def test_a_reported_directory_comes_back_from_get_checkpoint_after_a_heal_and_a_resume(local_ray, tmp_path):
-    """Rank 1 dies right before an evaluation's collective at step 5: the evaluation heals
-    inside `ctx.between_steps()` and is run again at the new world size. The directory rank 0
-    reported at steps 4 and 8 is in the checkpoints of those steps (and, until replaced, in the
-    one between), and the run resumed by name gets step 8's back from get_checkpoint()."""
+    """Rank 0 reports a directory after step 4 and dies right before an evaluation's collective
+    at step 5: rank 1's evaluation heals inside `ctx.between_steps()` and runs again at the new
+    world size. The new rank 0 carries the dead one's directory into the checkpoints of steps 6
+    and 8, and the run resumed by name gets it back from get_checkpoint()."""
     first = trainer(tmp_path, "habits", ScalingConfig(min_workers=1, max_workers=2),
-                    die_before_evaluation=(1, 5)).fit()
+                    die_before_evaluation=(0, 5), report_at=[4]).fit()
     assert first.value["resumed_from"] is None  # a fresh run has no checkpoint to give back
     assert first.value["evaluation_failures"] == [5]
     assert "heal" in [e["kind"] for e in first.events_of("generation_formed")]
     run = RunStorage(str(tmp_path), "habits")
-    assert [reported_step(verify(checkpoint_storage(run, step))) for step in (4, 6, 8)] == [4, 4, 8]
     assert verify(checkpoint_storage(run, 2)).reported_files() == []
+    assert [reported_step(verify(checkpoint_storage(run, step))) for step in (4, 6, 8)] == [4, 4, 4]
 
-    resumed = trainer(tmp_path, "habits", ScalingConfig(num_workers=2), max_steps=12).fit()
-    assert resumed.value["resumed_from"] == 8
+    resumed = trainer(tmp_path, "habits", ScalingConfig(num_workers=2), max_steps=12, report_at=[12]).fit()
+    assert resumed.value["resumed_from"] == 4
     assert resumed.checkpoint.step == 12 and reported_step(resumed.checkpoint) == 12
 
 
@@ -168,6 +171,7 @@ def test_the_prepared_model_trains_under_torch_compile_to_the_same_parameters(lo
     scaling = ScalingConfig(num_workers=2)
     compiled = trainer(tmp_path, "compiled", scaling, max_steps=4, compile=True).fit()
     eager = trainer(tmp_path, "eager", scaling, max_steps=4).fit()
+    assert compiled.value["compiled_graphs"] > 0 and eager.value["compiled_graphs"] == 0
     for name, value in eager.value["params"].items():
         torch.testing.assert_close(compiled.value["params"][name], value, rtol=1e-9, atol=1e-12)
 
