@@ -329,7 +329,8 @@ class TrainContext:
     @property
     def collectives(self) -> Collectives:
         """all_reduce, sample_mean, all_gather, broadcast, reduce_scatter and all_to_all over the
-        current generation's group; a peer's death inside one heals like any in a step."""
+        current generation's group; a peer's death inside one heals like any in a step, and
+        outside a step only inside `ctx.between_steps()`."""
         if self.spec is None:
             raise ElasticError("ctx.collectives is used before ctx.steps() formed the first generation")
         if self._collectives is None or self._collectives.generation != self.generation:
