@@ -125,32 +125,39 @@ def reported_step(checkpoint: Checkpoint) -> int:
             return int(stream.read())
 
 
-def test_a_reported_directory_comes_back_from_get_checkpoint_after_a_heal_and_a_resume(local_ray, tmp_path):
+@pytest.fixture(scope="module")
+def habits(local_ray, tmp_path_factory):
     """Rank 0 reports a directory after step 4 and dies right before an evaluation's collective
-    at step 5: rank 1's evaluation heals inside `ctx.between_steps()` and runs again at the new
-    world size. The new rank 0 carries the dead one's directory into the checkpoints of steps 6
-    and 8, and the run resumed by name gets it back from get_checkpoint()."""
-    first = trainer(tmp_path, "habits", ScalingConfig(min_workers=1, max_workers=2),
+    at step 5; then the run is resumed by name and trained to step 12."""
+    storage = tmp_path_factory.mktemp("habits")
+    first = trainer(storage, "habits", ScalingConfig(min_workers=1, max_workers=2),
                     die_before_evaluation=(0, 5), report_at=[4]).fit()
+    resumed = trainer(storage, "habits", ScalingConfig(num_workers=2), max_steps=12, report_at=[12]).fit()
+    return first, resumed, RunStorage(str(storage), "habits")
+
+
+def test_a_reported_directory_is_carried_by_the_new_rank_0_and_comes_back_from_get_checkpoint_on_resume(habits):
+    first, resumed, run = habits
     assert first.value["resumed_from"] is None  # a fresh run has no checkpoint to give back
-    assert first.value["evaluation_failures"] == [5]
-    assert "heal" in [e["kind"] for e in first.events_of("generation_formed")]
-    run = RunStorage(str(tmp_path), "habits")
     assert verify(checkpoint_storage(run, 2)).reported_files() == []
     assert [reported_step(verify(checkpoint_storage(run, step))) for step in (4, 6, 8)] == [4, 4, 4]
-
-    resumed = trainer(tmp_path, "habits", ScalingConfig(num_workers=2), max_steps=12, report_at=[12]).fit()
     assert resumed.value["resumed_from"] == 4
     assert resumed.checkpoint.step == 12 and reported_step(resumed.checkpoint) == 12
 
 
-def test_the_prepared_model_is_an_nn_module_called_before_the_first_step(local_ray, tmp_path):
-    result = trainer(tmp_path, "module", ScalingConfig(num_workers=1), max_steps=2).fit()
+def test_an_evaluation_whose_peer_dies_heals_inside_between_steps_and_runs_again(habits):
+    first, _, _ = habits
+    assert "heal" in [e["kind"] for e in first.events_of("generation_formed")]
+    assert first.value["evaluation_failures"] == [5]  # then evaluated again at world size 1
+
+
+def test_the_prepared_model_is_an_nn_module_called_before_the_first_step(habits):
     x, y = regression_data().tensors
     with torch.no_grad():
         untrained = torch.nn.functional.mse_loss(build_mlp()(x), y).item()
-    assert result.value["is_module"]
-    assert result.value["loss_before_training"] == pytest.approx(untrained, rel=1e-12)
+    for result in habits[:2]:
+        assert result.value["is_module"]
+        assert result.value["loss_before_training"] == pytest.approx(untrained, rel=1e-12)
 
 
 def test_a_plain_loss_backward_on_a_micro_batch_fails_the_run_naming_mb_backward(local_ray, tmp_path):
