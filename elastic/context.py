@@ -140,10 +140,12 @@ class Step:
 
     def __enter__(self) -> "Step":
         self.entered = True
+        self._ctx._inside_step = True
         self.started = time.perf_counter()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self._ctx._inside_step = False
         return self._ctx._end_step(self, exc)
 
 
@@ -263,6 +265,7 @@ class TrainContext:
         self._cursor = data_math.DataCursor(seed=data_config.seed)
         self._orders: dict[int, torch.Tensor] = {}
         self._current_step: Step | None = None
+        self._inside_step = False  # between a step's __enter__ and __exit__
         self._flag: tuple[dist.Work, torch.Tensor] | None = None
         self._dataset: Any = None
 
@@ -341,6 +344,9 @@ class TrainContext:
         """Guard collectives called outside `with step` (an evaluation loop): a peer's death in
         them heals, as in a step, instead of failing the run. Run the block again while
         `block.failed` is set, to have its result at the new world size."""
+        if self._inside_step:
+            raise ElasticError("ctx.between_steps() is used inside `with step`, which heals a peer's death itself "
+                               "(and must not move to a new generation halfway through a step); use it outside the step")
         if self.spec is None:
             raise ElasticError("ctx.between_steps() is used before ctx.steps() formed the first generation")
         return BetweenSteps(self)

@@ -17,8 +17,9 @@ import torch
 import elastic
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, RunConfig, ScalingConfig
 from elastic.checkpoint import Checkpoint, checkpoint_storage, verify
-from elastic.context import TrainContext
-from elastic.errors import ReportedCheckpointError, TrainingFailedError
+from elastic.context import Step, TrainContext
+from elastic.data import DataCursor
+from elastic.errors import ElasticError, ReportedCheckpointError, TrainingFailedError
 from elastic.mailbox import GenerationMailbox
 from elastic.reported import files_to_store
 from elastic.storage import RunStorage
@@ -226,3 +227,14 @@ def test_the_prepared_model_is_a_module_that_wraps_the_users_without_a_group():
     assert [id(p) for p in model.parameters()] == [id(p) for p in mlp.parameters()]
     assert list(model.state_dict()) == [f"module.{k}" for k in mlp.state_dict()]  # as DDP's
     assert torch.equal(model(x), mlp(x))  # no generation formed: the module itself
+
+
+def test_between_steps_inside_a_step_is_refused_because_the_step_heals_itself():
+    ctx = TrainContext(DataConfig(global_batch_size=4, micro_batch_size=4, max_steps=1), GenerationMailbox(), [],
+                       lambda report: None, use_gpu=False)
+    with pytest.raises(ElasticError, match=r"ctx.between_steps\(\) is used inside `with step`, which heals a peer's "
+                       r"death itself .*; use it outside the step"):
+        with Step(ctx, 0, DataCursor(seed=0)):
+            ctx.between_steps()
+    with pytest.raises(ElasticError, match=r"before ctx.steps\(\) formed the first generation"):
+        ctx.between_steps()  # outside the step now, but no generation was ever formed
