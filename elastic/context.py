@@ -97,14 +97,16 @@ class MicroBatch:
     weight: float
     on_sync: Callable[[], None] | None = None  # called before the backward that syncs gradients
     run_backward: Callable[[torch.Tensor], None] = torch.Tensor.backward  # fp16 scales the loss first
-    step: "Step | None" = None  # counts the weighted backwards, which the optimizer's step checks
+    step: "Step | None" = None  # counts the micro-batches backpropagated here, which the optimizer's step checks
+    weighted: bool = False  # went through backward() at least once
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate the micro-batch's mean loss, weighted so the step is the global-batch mean."""
         if self.on_sync is not None:
             self.on_sync()
-        if self.step is not None:
-            self.step.backwards += 1
+        if self.step is not None and not self.weighted:
+            self.step.weighted += 1
+        self.weighted = True
         self.run_backward(loss * self.weight)
 
 
@@ -125,7 +127,7 @@ class Step:
         # Micro-batches handed out, and those backpropagated with mb.backward: a plain
         # loss.backward() leaves its micro-batch unweighted, which the optimizer's step refuses.
         self.given = 0
-        self.backwards = 0
+        self.weighted = 0
 
     def micro_batches(self) -> Iterator[MicroBatch]:
         """This rank's share of the global batch, in micro-batches; gradients sync on the last one."""
@@ -317,9 +319,9 @@ class TrainContext:
     def _check_weighted(self) -> None:
         """Before the optimizer steps: every micro-batch of the step went through mb.backward."""
         step = self._current_step
-        if step is not None and step.backwards < step.given:
+        if step is not None and step.weighted < step.given:
             raise UnweightedBackwardError(
-                f"step {step.index}: {step.given - step.backwards} of the {step.given} micro-batches were "
+                f"step {step.index}: {step.given - step.weighted} of the {step.given} micro-batches were "
                 "backpropagated without mb.backward(loss); a plain loss.backward() leaves out the micro-batch's "
                 "weight (its share of the global batch), so the gradients would be wrong at this world size. "
                 "Call mb.backward(loss) for every micro-batch of step.micro_batches()"

@@ -55,12 +55,15 @@ def habits_loop(config: dict) -> dict:
     evaluation_failures = []
     for step in ctx.steps(dataset):
         with step:
-            for mb in step.micro_batches():
+            for i, mb in enumerate(step.micro_batches()):
                 loss = torch.nn.functional.mse_loss(model(mb.data[0]), mb.data[1])
-                if config.get("plain_backward"):
-                    loss.backward()
-                else:
+                if not config.get("plain_backward"):
                     mb.backward(loss)
+                elif i == 0:  # weighted twice, which must not stand in for another micro-batch
+                    mb.backward(loss)
+                    mb.backward(torch.nn.functional.mse_loss(model(mb.data[0]), mb.data[1]))
+                else:
+                    loss.backward()
             optimizer.step()
             optimizer.zero_grad()
         if (ctx.rank, step.index) == tuple(config.get("die_before_evaluation", ())):
@@ -162,7 +165,7 @@ def test_the_prepared_model_is_an_nn_module_called_before_the_first_step(habits)
 
 
 def test_a_plain_loss_backward_on_a_micro_batch_fails_the_run_naming_mb_backward(local_ray, tmp_path):
-    with pytest.raises(TrainingFailedError, match=r"UnweightedBackwardError: step 0: 4 of the 4 micro-batches were "
+    with pytest.raises(TrainingFailedError, match=r"UnweightedBackwardError: step 0: 3 of the 4 micro-batches were "
                        r"backpropagated without mb.backward\(loss\).*Call mb.backward\(loss\) for every micro-batch"):
         trainer(tmp_path, "plain-backward", ScalingConfig(num_workers=1), max_steps=2, plain_backward=True).fit()
 
