@@ -4,9 +4,10 @@ At a step boundary every rank copies to CPU the part of the state it writes (`ta
 the only time training is blocked: each tensor's part is copied once, into a buffer allocated
 for the share) and a background thread writes its shard: rank r of W writes the r-th slice of
 each flat dtype buffer, so the copy and the write are spread over all ranks. Rank 0's shard
-also holds the structure, and rank 0 writes the user's own files. torch.save streams a shard
-straight into its file, hashed on the way; on a local disk every file is fsynced before it is
-reported, and the manifest before older checkpoints are deleted. When the controller has heard
+also holds the structure, and rank 0 writes the user's own files and the directory it last
+reported with `elastic.report(checkpoint=...)` (under `reported/`, see `elastic.reported`).
+torch.save streams a shard straight into its file, hashed on the way; on a local disk every
+file is fsynced before it is reported, and the manifest before older checkpoints are deleted. When the controller has heard
 of every shard, it writes `manifest.json`, listing each file's size and sha256, the step,
 world size, data cursor and format version. A folder without a valid manifest whose files
 all match is not a checkpoint, for any reader. `verify` hashes every file once; the
