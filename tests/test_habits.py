@@ -241,3 +241,9 @@ def test_between_steps_inside_a_step_is_refused_because_the_step_heals_itself():
             ctx.between_steps()
     with pytest.raises(ElasticError, match=r"before ctx.steps\(\) formed the first generation"):
         ctx.between_steps()  # outside the step now, but no generation was ever formed
+
+
+def test_a_ray_train_checkpoint_is_reported_as_the_directory_it_names(tmp_path):
+    train = pytest.importorskip("ray.train", reason="ray[train] is not installed")
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    assert files_to_store(train.Checkpoint.from_directory(str(tmp_path)), 0, SCHEDULED) == {"model.pt": b"weights"}
