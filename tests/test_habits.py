@@ -112,13 +112,13 @@ def peer_dies_in_unguarded_collective_loop(config: dict) -> None:
         ctx.collectives.all_reduce(torch.ones(1))  # an evaluation's collective, unguarded
 
 
-def trainer(tmp_path, name, scaling, max_steps=8, loop=habits_loop, faults=(), **loop_config) -> ElasticTrainer:
+def trainer(tmp_path, name, scaling, max_steps=8, loop=habits_loop, **loop_config) -> ElasticTrainer:
     return ElasticTrainer(
         loop, train_loop_config=loop_config, scaling_config=scaling,
         run_config=RunConfig(name=name, storage_path=str(tmp_path),
                              checkpoint_config=CheckpointConfig(every_steps=2, keep_last=10)),
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=max_steps, seed=3),
-        faults=list(faults), show_progress=False,
+        show_progress=False,
     )
 
 
