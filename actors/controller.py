@@ -147,6 +147,10 @@ class Controller:
         self.progress.ingest(worker_id, items)
         self.protocol.note_step(self.progress.step)
 
+    async def latest_checkpoint_of_run(self) -> Checkpoint | None:
+        """The newest complete checkpoint: the one a restart resumes from (elastic.get_checkpoint)."""
+        return self.latest_checkpoint
+
     async def fault_fired(self, worker_id: int, fault: str, step: int, note: str = "") -> None:
         self.progress.note_step(step)
         self.protocol.note_step(self.progress.latest_step)  # committed, though its report may never come

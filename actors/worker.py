@@ -26,11 +26,18 @@ from elastic.config import CheckpointConfig, DataConfig, Strategy
 from elastic.context import TrainContext, _set_current
 from elastic.errors import WorkerEvictedError
 from elastic.faults import Fault
-from elastic.group import GenerationSpec
+from elastic.group import GenerationSpec, is_peer_failure
 from elastic.mailbox import GenerationMailbox
 from elastic.storage import RunStorage
 
 REPORT_FLUSH_INTERVAL_S = 0.2
+# `with step` and ctx.between_steps() heal a peer's death; one that reaches here came from a
+# collective the train loop called outside both.
+PEER_FAILURE_OUTSIDE_STEP = (
+    " (a peer failed during a collective the train loop called outside `with step`; wrap such collectives, "
+    "e.g. an evaluation, in `with ctx.between_steps() as block:` to heal instead, and run the block again "
+    "while block.failed is set)"
+)
 
 
 @ray.remote(concurrency_groups={"train": 1, "control": 4})
@@ -61,6 +68,7 @@ class Worker:
         self.ctx = TrainContext(
             data_config, self.mailbox, faults, self._reports.append, use_gpu, checkpoint_config, writer,
             on_fault=self._on_fault, strategy=strategy,
+            latest_checkpoint=lambda: ray.get(controller.latest_checkpoint_of_run.remote()),
         )
         self._stop = threading.Event()
         threading.Thread(target=self._flush_loop, daemon=True, name="elastic-reports").start()
@@ -76,10 +84,11 @@ class Worker:
         except WorkerEvictedError as exc:
             return {"outcome": "evicted", "reason": str(exc)}
         except Exception as exc:
+            hint = PEER_FAILURE_OUTSIDE_STEP if is_peer_failure(exc) else ""
             return {
                 "outcome": "app_error",
                 "rank": self.ctx.rank,
-                "error": f"{type(exc).__name__}: {exc}",
+                "error": f"{type(exc).__name__}: {exc}{hint}",
                 "traceback": traceback.format_exc(),
             }
         finally:

@@ -5,10 +5,16 @@ worker's train loop) can be imported without pulling in the driver's side.
 """
 
 from elastic.config import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig, Strategy
-from elastic.context import MicroBatch, Step, TrainContext, get_context, report
+from elastic.context import MicroBatch, Step, TrainContext, get_checkpoint, get_context, report
 from elastic.data import DataCursor
+from elastic.errors import (
+    CapacityTimeoutError,
+    ElasticError,
+    ReportedCheckpointError,
+    TrainingFailedError,
+    UnweightedBackwardError,
+)
 from elastic.parquet import ParquetDataset
-from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
 from elastic.faults import Fault, parse_fault
 
 __all__ = [
@@ -23,12 +29,15 @@ __all__ = [
     "MicroBatch",
     "ParquetDataset",
     "Result",
+    "ReportedCheckpointError",
     "RunConfig",
     "ScalingConfig",
     "Step",
     "Strategy",
     "TrainContext",
     "TrainingFailedError",
+    "UnweightedBackwardError",
+    "get_checkpoint",
     "get_context",
     "parse_fault",
     "report",

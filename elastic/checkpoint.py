@@ -4,9 +4,10 @@ At a step boundary every rank copies to CPU the part of the state it writes (`ta
 the only time training is blocked: each tensor's part is copied once, into a buffer allocated
 for the share) and a background thread writes its shard: rank r of W writes the r-th slice of
 each flat dtype buffer, so the copy and the write are spread over all ranks. Rank 0's shard
-also holds the structure, and rank 0 writes the user's own files. torch.save streams a shard
-straight into its file, hashed on the way; on a local disk every file is fsynced before it is
-reported, and the manifest before older checkpoints are deleted. When the controller has heard
+also holds the structure, and rank 0 writes the user's own files and the directory it last
+reported with `elastic.report(checkpoint=...)` (under `reported/`, see `elastic.reported`).
+torch.save streams a shard straight into its file, hashed on the way; on a local disk every
+file is fsynced before it is reported, and the manifest before older checkpoints are deleted. When the controller has heard
 of every shard, it writes `manifest.json`, listing each file's size and sha256, the step,
 world size, data cursor and format version. A folder without a valid manifest whose files
 all match is not a checkpoint, for any reader. `verify` hashes every file once; the
@@ -17,15 +18,17 @@ storage is shared, and a checkpoint must never be able to run code.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pyarrow.fs as pafs
 import torch
@@ -33,12 +36,14 @@ import torch
 from elastic.data import share_bounds
 from elastic.errors import ElasticError
 from elastic.flat_state import describe, gather, numel, unflatten
+from elastic.reported import write_directory
 from elastic.storage import RunStorage
 
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 USER_FILES = "user"
+REPORTED = "reported"  # the directory rank 0 reported with elastic.report(checkpoint=...)
 OPTIMIZER_SHARDS = "optimizer-shards"
 # A large write is hashed and written in pieces of this size: small enough that the hash and the
 # write read a piece while it is still in the CPU cache.
@@ -167,6 +172,28 @@ class Checkpoint:
         """A file the train loop stored with `ctx.add_checkpoint_file(name, data)`."""
         return self._read(self._entry(f"{USER_FILES}/{name}"))
 
+    def reported_files(self) -> list[str]:
+        """The files of the directory rank 0 reported with `elastic.report(checkpoint=...)`, by
+        relative path; empty when it reported none."""
+        prefix = f"{REPORTED}/"
+        return sorted(e["name"][len(prefix):] for e in self.manifest["files"] if e["name"].startswith(prefix))
+
+    def read_reported(self) -> dict[str, bytes]:
+        """The reported directory's files, by relative path."""
+        return {name: self._read(self._entry(f"{REPORTED}/{name}")) for name in self.reported_files()}
+
+    def to_directory(self, path: str | None = None) -> str:
+        """Write the reported directory's files below `path` (by default a new temporary
+        directory) and return it, as Ray Train's `Checkpoint.to_directory` does."""
+        return write_directory(self.read_reported(), path or tempfile.mkdtemp(prefix="elastic-checkpoint-"))
+
+    @contextlib.contextmanager
+    def as_directory(self) -> Iterator[str]:
+        """The reported directory's files in a local temporary directory, removed afterwards, as
+        Ray Train's `Checkpoint.as_directory` gives them."""
+        with tempfile.TemporaryDirectory(prefix="elastic-checkpoint-") as directory:
+            yield self.to_directory(directory)
+
     def load_optimizer_shards(self) -> list[dict[str, Any]]:
         """Every rank's part of a sharded optimizer state, as `ShardedOptimizer.load_sharded` takes them."""
         names = [e["name"] for e in self.manifest["files"] if e["name"].startswith(f"{OPTIMIZER_SHARDS}/")]
@@ -283,14 +310,14 @@ class CheckpointWriter:
 
     def submit(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
                user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool = False,
-               optimizer_shard: dict[str, Any] | None = None) -> None:
+               optimizer_shard: dict[str, Any] | None = None, reported_files: dict[str, bytes] | None = None) -> None:
         """Write this rank's shard (and `optimizer_shard`, its part of a ZeRO optimizer's state, a
-        copy) in the background."""
+        copy; on rank 0 the user's files and the `reported_files` of elastic.report) in the background."""
         self.wait()
         self._thread = threading.Thread(
             target=self._write,
             args=(snapshot, rank, world_size, stall_s, dict(user_files), dict(metadata), crash_midway,
-                  optimizer_shard),
+                  optimizer_shard, dict(reported_files or {})),
             daemon=True, name="elastic-checkpoint",
         )
         self._thread.start()
@@ -302,7 +329,7 @@ class CheckpointWriter:
 
     def _write(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
                user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool,
-               optimizer_shard: dict[str, Any] | None) -> None:
+               optimizer_shard: dict[str, Any] | None, reported_files: dict[str, bytes]) -> None:
         started = time.perf_counter()
         folder = checkpoint_storage(self.run, snapshot.step)
         report: dict[str, Any] = {"step": snapshot.step, "rank": rank, "world_size": world_size,
@@ -321,6 +348,8 @@ class CheckpointWriter:
             if rank == 0:
                 for name, data in user_files.items():
                     report["files"].append(write_file(folder, f"{USER_FILES}/{name}", lambda out: out.write(data)))
+                for name, data in reported_files.items():
+                    report["files"].append(write_file(folder, f"{REPORTED}/{name}", lambda out: out.write(data)))
                 report["metadata"] = metadata
         except Exception as exc:  # any storage error: the checkpoint stays incomplete, training goes on
             report["error"] = f"{type(exc).__name__}: {exc}"

@@ -1,8 +1,9 @@
 """The collectives a train loop calls itself, bound to the generation it runs in.
 
 `ctx.collectives` is rebuilt for each generation. A peer that dies inside one of these calls
-makes it raise a peer failure, which `with step:` turns into a heal like any other; a call on
-the object of a generation that was left raises instead of reaching the new group.
+makes it raise a peer failure, which `with step:` (or `ctx.between_steps()`, for calls outside
+a step) turns into a heal like any other; uncaught, it fails the train loop. A call on the
+object of a generation that was left raises instead of reaching the new group.
 
 A SUM changes meaning when the world size does, so every reduction also comes as a mean:
 `op="mean"` over ranks, and `sample_mean` over the samples each rank saw, which is what a

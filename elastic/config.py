@@ -20,8 +20,16 @@ class _Frozen(BaseModel):
 
 
 class ScalingConfig(_Frozen):
-    """How many workers to run, and what each one needs from the cluster."""
+    """How many workers to run, and what each one needs from the cluster.
 
+    `ScalingConfig(num_workers=N)`, as in Ray Train and torchrun, is a fixed-size run:
+    min_workers = max_workers = N.
+    """
+
+    num_workers: int | None = Field(
+        None, gt=0, description="Ray Train's and torchrun's fixed world size: sets min_workers and max_workers "
+        "to this; give min_workers and max_workers instead for a run that shrinks and grows."
+    )
     min_workers: int = Field(1, gt=0, description="Fewest workers training may continue with.")
     max_workers: int = Field(1, gt=0, description="Most workers the run grows to when capacity exists.")
     spare_workers: int = Field(
@@ -33,6 +41,22 @@ class ScalingConfig(_Frozen):
         default_factory=dict,
         description='Ray resources per worker, e.g. {"CPU": 2}. Defaults to 1 CPU (and 1 GPU with use_gpu).',
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fixed_size(cls, values: Any) -> Any:
+        if not isinstance(values, dict) or values.get("num_workers") is None:
+            return values
+        fixed = values["num_workers"]
+        # Compared as given: a bad number (0, "x") is the field validators' to report.
+        other = {k: values[k] for k in ("min_workers", "max_workers") if k in values and values[k] != fixed}
+        if other:
+            given = ", ".join(f"{k}({v})" for k, v in other.items())
+            raise ValueError(
+                f"num_workers({fixed}) fixes the world size at {fixed}, but {given} differs; give num_workers "
+                f"alone for a fixed-size run, or min_workers and max_workers without num_workers for an elastic one"
+            )
+        return {**values, "min_workers": fixed, "max_workers": fixed}
 
     @model_validator(mode="after")
     def _check(self) -> "ScalingConfig":

@@ -34,10 +34,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic import data as data_math
+from elastic import reported
 from elastic.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, take_snapshot
 from elastic.collectives import Collectives
 from elastic.config import CheckpointConfig, DataConfig, Strategy
-from elastic.errors import ElasticError, WorkerEvictedError
+from elastic.errors import ElasticError, UnweightedBackwardError, WorkerEvictedError
 from elastic.faults import Fault
 from elastic.injection import FaultInjector
 from elastic.group import (
@@ -74,9 +75,20 @@ def get_context() -> "TrainContext":
     return _current
 
 
-def report(metrics: dict[str, Any]) -> None:
-    """Record metrics of the current step; never blocks on the network."""
-    get_context().report(metrics)
+def report(metrics: dict[str, Any], checkpoint: Any = None) -> None:
+    """Record metrics of the current step; never blocks on the network.
+
+    `checkpoint` (rank 0 only; a local directory's path, or anything with Ray Train's
+    `as_directory()`) is read at once and stored in the run's next checkpoint and every later
+    one, until rank 0 reports another: see `elastic.reported`.
+    """
+    get_context().report(metrics, checkpoint)
+
+
+def get_checkpoint() -> Checkpoint | None:
+    """The run's latest complete checkpoint if it holds a directory rank 0 reported, else None
+    (as on a fresh run); read its files with `as_directory()` or `to_directory()`."""
+    return get_context().get_checkpoint()
 
 
 @dataclass
@@ -88,11 +100,16 @@ class MicroBatch:
     weight: float
     on_sync: Callable[[], None] | None = None  # called before the backward that syncs gradients
     run_backward: Callable[[torch.Tensor], None] = torch.Tensor.backward  # fp16 scales the loss first
+    step: "Step | None" = None  # counts the micro-batches backpropagated here, which the optimizer's step checks
+    weighted: bool = False  # went through backward() at least once
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate the micro-batch's mean loss, weighted so the step is the global-batch mean."""
         if self.on_sync is not None:
             self.on_sync()
+        if self.step is not None and not self.weighted:
+            self.step.weighted += 1
+        self.weighted = True
         self.run_backward(loss * self.weight)
 
 
@@ -111,38 +128,89 @@ class Step:
         self.compute_s: float | None = None
         self.failed: str | None = None
         self.started = 0.0
+        # Micro-batches handed out, and those backpropagated with mb.backward: a plain
+        # loss.backward() leaves its micro-batch unweighted, which the optimizer's step refuses.
+        self.given = 0
+        self.weighted = 0
 
     def micro_batches(self) -> Iterator[MicroBatch]:
         """This rank's share of the global batch, in micro-batches; gradients sync on the last one."""
-        yield from self._ctx._micro_batches(self)
+        batches = self._ctx._micro_batches(self)
+        try:
+            for batch in batches:
+                batch.step = self
+                self.given += 1
+                yield batch
+        finally:
+            batches.close()  # leaves DDP's no_sync at once if the loop stops early
 
     def __enter__(self) -> "Step":
         self.entered = True
+        self._ctx._inside_step = True
         self.started = time.perf_counter()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self._ctx._inside_step = False
         return self._ctx._end_step(self, exc)
 
 
-class ElasticDDP:
-    """The prepared model: calls go to a DistributedDataParallel rebuilt for each generation
-    (to the module itself under local SGD, which syncs parameters, not gradients), under the
-    run's autocast."""
+class BetweenSteps:
+    """A block of the train loop's own collectives outside `with step` (an evaluation, say):
+    `with ctx.between_steps() as block:`. A peer's death inside it ends the block, this rank
+    joins the healed generation at once, and `block.failed` holds the error; any other
+    exception passes through."""
+
+    def __init__(self, ctx: "TrainContext") -> None:
+        self._ctx = ctx
+        self.failed: str | None = None
+
+    def __enter__(self) -> "BetweenSteps":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or not is_peer_failure(exc):
+            return False
+        # Keep the message, not the exception: its traceback would keep the old group alive.
+        self.failed = f"{type(exc).__name__}: {exc}"
+        self._ctx._flag = None
+        self._ctx._join(reason="heal")
+        return True
+
+
+class ElasticDDP(torch.nn.Module):
+    """The prepared model, a `torch.nn.Module` holding yours as `module` (so `parameters()`,
+    `state_dict()` with "module." keys, `train()`/`eval()` and `torch.compile` work as on DDP).
+
+    While a generation is formed, calls go to the DistributedDataParallel rebuilt for it (to
+    the module itself under local SGD, which syncs parameters, not gradients); before the
+    first generation, and between leaving one and forming the next, straight to the module,
+    as an evaluation before training needs. Always under the run's autocast.
+    """
 
     def __init__(self, ctx: "TrainContext", module: torch.nn.Module) -> None:
-        self._ctx = ctx
+        super().__init__()
         self.module = module
+        self._ctx = ctx
         self.ddp: DistributedDataParallel | None = None
-        self.formed = False
 
-    def __call__(self, *args, **kwargs):
-        if not self.formed:
-            raise ElasticError("the prepared model is used before ctx.steps() formed the first generation")
-        return self._ctx.techniques.precision.forward(self.ddp or self.module, *args, **kwargs)
+    def __setattr__(self, name: str, value: Any) -> None:
+        # DDP holds `module`: registered as a submodule, it would appear twice in state_dict().
+        if name == "ddp":
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
+
+    def forward(self, *args, **kwargs):
+        return self._ctx.techniques.precision.forward(self.module if self.ddp is None else self.ddp, *args, **kwargs)
 
     def __getattr__(self, name: str):
-        return getattr(self.module, name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)  # the user's own attributes, as before wrapping
 
 
 class TrainContext:
@@ -159,6 +227,7 @@ class TrainContext:
         writer: CheckpointWriter | None = None,
         on_fault: Callable[[Fault], None] = lambda fault: None,
         strategy: Strategy = Strategy(),
+        latest_checkpoint: Callable[[], Checkpoint | None] = lambda: None,
     ) -> None:
         if checkpoint_config.enabled and writer is None:
             raise ElasticError("a checkpoint schedule needs a CheckpointWriter")
@@ -168,6 +237,10 @@ class TrainContext:
         self._on_fault = on_fault
         self._checkpoint_files: dict[str, bytes] = {}
         self._checkpoint_metadata: dict[str, Any] = {}
+        # The latest directory rank 0 reported, which rank 0 writes into every checkpoint; None
+        # until this worker reported one or, as rank 0, took the latest checkpoint's.
+        self._reported_files: dict[str, bytes] | None = None
+        self._latest_checkpoint = latest_checkpoint  # asks the controller
         self._last_checkpoint = time.monotonic()
         self.checkpoint: Checkpoint | None = None
         self._launched = 0
@@ -198,6 +271,7 @@ class TrainContext:
         self._step_index = 0
         self._cursor = data_math.DataCursor(seed=data_config.seed)
         self._current_step: Step | None = None
+        self._inside_step = False  # between a step's __enter__ and __exit__
         self._flag: tuple[dist.Work, torch.Tensor] | None = None
         self._loader: Loader | StreamLoader | None = None
 
@@ -242,8 +316,20 @@ class TrainContext:
         if self._optimizer is not None:
             raise ElasticError("prepare_optimizer() was called twice; elastic syncs one optimizer per run")
         optimizer = self._optimizer = self.techniques.prepare_optimizer(optimizer, self._objects)
+        optimizer.register_step_pre_hook(lambda *_: self._check_weighted())
         optimizer.register_step_post_hook(lambda *_: self._commit())
         return optimizer
+
+    def _check_weighted(self) -> None:
+        """Before the optimizer steps: every micro-batch of the step went through mb.backward."""
+        step = self._current_step
+        if step is not None and step.weighted < step.given:
+            raise UnweightedBackwardError(
+                f"step {step.index}: {step.given - step.weighted} of the {step.given} micro-batches were "
+                "backpropagated without mb.backward(loss); a plain loss.backward() leaves out the micro-batch's "
+                "weight (its share of the global batch), so the gradients would be wrong at this world size. "
+                "Call mb.backward(loss) for every micro-batch of step.micro_batches()"
+            )
 
     def autocast(self):
         """The run's autocast (`Strategy.precision`), for work outside the prepared model's forward."""
@@ -252,12 +338,24 @@ class TrainContext:
     @property
     def collectives(self) -> Collectives:
         """all_reduce, sample_mean, all_gather, broadcast, reduce_scatter and all_to_all over the
-        current generation's group; a peer's death inside one heals like any in a step."""
+        current generation's group; a peer's death inside one heals like any in a step, and
+        outside a step only inside `ctx.between_steps()`."""
         if self.spec is None:
             raise ElasticError("ctx.collectives is used before ctx.steps() formed the first generation")
         if self._collectives is None or self._collectives.generation != self.generation:
             self._collectives = Collectives(self.generation, lambda: self.generation)
         return self._collectives
+
+    def between_steps(self) -> BetweenSteps:
+        """Guard collectives called outside `with step` (an evaluation loop): a peer's death in
+        them heals, as in a step, instead of failing the run. Run the block again while
+        `block.failed` is set, to have its result at the new world size."""
+        if self._inside_step:
+            raise ElasticError("ctx.between_steps() is used inside `with step`, which heals a peer's death itself "
+                               "(and must not move to a new generation halfway through a step); use it outside the step")
+        if self.spec is None:
+            raise ElasticError("ctx.between_steps() is used before ctx.steps() formed the first generation")
+        return BetweenSteps(self)
 
     @property
     def communication(self) -> dict[str, int]:
@@ -286,10 +384,17 @@ class TrainContext:
         """JSON-able values stored in the manifest of every checkpoint from now on."""
         self._checkpoint_metadata.update(metadata)
 
-    def report(self, metrics: dict[str, Any]) -> None:
+    def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
+        if checkpoint is not None:
+            self._reported_files = reported.files_to_store(checkpoint, self.rank, self.checkpoint_config)
         self._report_sink(
             {"kind": "metrics", "step": self._step_index, "rank": self.rank, "time": time.time(), "metrics": metrics}
         )
+
+    def get_checkpoint(self) -> Checkpoint | None:
+        """See `elastic.get_checkpoint`."""
+        latest = self._latest_checkpoint()
+        return latest if latest is not None and latest.reported_files() else None
 
     def steps(self, dataset: Any) -> Iterator[Step]:
         """Yield each remaining global step of the run, healing and rescaling in between."""
@@ -449,12 +554,16 @@ class TrainContext:
         if kept is None:
             return  # local SGD has not synced since the last checkpoint: nothing new to keep
         snapshot = take_snapshot(*kept)
+        if self.rank == 0 and self._reported_files is None:
+            # A new rank 0 (after a heal or a restart) carries the directory the old one reported.
+            latest = self._latest_checkpoint()
+            self._reported_files = latest.read_reported() if latest is not None else {}
         optimizer_shard = self.techniques.optimizer_shard()
         crash = self.faults.crash_checkpoint(self.rank, self._step_index)
         self._wait_for_writer()  # one upload at a time: back-pressure, reported as progress
         self._writer.submit(snapshot, self.rank, self.world_size, time.perf_counter() - started,
                             self._checkpoint_files, self._checkpoint_metadata, crash_midway=crash,
-                            optimizer_shard=optimizer_shard)
+                            optimizer_shard=optimizer_shard, reported_files=self._reported_files)
         self._last_checkpoint = time.monotonic()
 
     def _join(self, reason: str, lost: int = 0) -> None:
@@ -492,7 +601,7 @@ class TrainContext:
         # Nothing may keep the old group alive: see leave_group.
         self._flag = None
         if self._model is not None:
-            self._model.ddp, self._model.formed = None, False
+            self._model.ddp = None
         with self._group_lock:
             self._group = None
         if self._gradient_all_reduce is not None:
@@ -542,7 +651,6 @@ class TrainContext:
                                    spec.resume_from if spec.restart else None)
         if self._model is not None:
             self._model.ddp = self._wrap(self._model.module)
-            self._model.formed = True
         # The hang check compares these across the members of one generation: count afresh.
         self._entered_sync = self._launched = 0
         done = time.perf_counter()

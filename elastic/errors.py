@@ -31,3 +31,11 @@ class CapacityTimeoutError(ElasticError):
 
 class WorkerEvictedError(ElasticError):
     """The controller removed this worker from the run; its train loop stops."""
+
+
+class UnweightedBackwardError(ElasticError):
+    """A micro-batch was backpropagated without `mb.backward(loss)`, so its gradient lacks its weight."""
+
+
+class ReportedCheckpointError(ElasticError):
+    """`elastic.report(checkpoint=...)` got a checkpoint it cannot store; the message says why and what to pass."""

@@ -27,8 +27,23 @@ def test_zero_or_negative_worker_counts_are_rejected(field, value):
 
 
 def test_unknown_fields_are_rejected():
-    with pytest.raises(ValidationError, match="num_workers"):
-        ScalingConfig(num_workers=2)
+    with pytest.raises(ValidationError, match="num_gpus"):
+        ScalingConfig(num_gpus=2)
+
+
+def test_num_workers_fixes_min_and_max_workers_as_ray_train_and_torchrun_do():
+    config = ScalingConfig(num_workers=3)
+    assert (config.min_workers, config.max_workers) == (3, 3)
+    assert ScalingConfig(num_workers=3, min_workers=3, max_workers=3) == config
+
+
+@pytest.mark.parametrize("given, named", [({"max_workers": 8}, r"max_workers\(8\)"),
+                                          ({"min_workers": 2, "max_workers": 4}, r"min_workers\(2\)")])
+def test_num_workers_with_a_different_min_or_max_is_rejected_with_the_numbers_and_the_fix(given, named):
+    with pytest.raises(ValidationError, match=rf"num_workers\(4\) fixes the world size at 4, but {named} differs; "
+                       "give num_workers alone for a fixed-size run, or min_workers and max_workers without "
+                       "num_workers for an elastic one"):
+        ScalingConfig(num_workers=4, **given)
 
 
 def test_configs_are_frozen():

@@ -1,0 +1,254 @@
+"""What Ray Train and PyTorch users do by habit works, or fails clearly: a prepared model that
+is an nn.Module (called before the first step, compiled), `report(checkpoint=...)` with
+`get_checkpoint()` through a heal and a resume, an evaluation's own collectives through a
+peer's death, and a plain `loss.backward()` refused by name.
+"""
+
+import os
+import signal
+import sys
+import tempfile
+
+import pytest
+import ray
+import torch
+
+import elastic
+from elastic import CheckpointConfig, DataConfig, ElasticTrainer, RunConfig, ScalingConfig
+from elastic.checkpoint import Checkpoint, checkpoint_storage, verify
+from elastic.context import Step, TrainContext
+from elastic.data import DataCursor
+from elastic.errors import ElasticError, ReportedCheckpointError, TrainingFailedError
+from elastic.mailbox import GenerationMailbox
+from elastic.reported import files_to_store
+from elastic.storage import RunStorage
+from workloads import GLOBAL_BATCH, build_mlp, regression_data
+
+# The train loops below are defined here; Ray workers cannot import the tests folder.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.timeout(240)
+
+SCHEDULED = CheckpointConfig(every_steps=2)
+
+
+def habits_loop(config: dict) -> dict:
+    """Trains the regression MLP the way a Ray Train user writes it: evaluates before training,
+    resumes from `get_checkpoint()`, evaluates with its own collectives after every step, and
+    reports a temporary directory as a checkpoint from rank 0 after the steps in `report_at`."""
+    ctx = elastic.get_context()
+    dataset = regression_data()
+    x, y = dataset.tensors
+    model = prepared = ctx.prepare_model(build_mlp())
+    if config.get("compile"):
+        model = torch.compile(prepared)
+    with torch.no_grad():
+        loss_before_training = torch.nn.functional.mse_loss(model(x), y).item()
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    resumed_from = None
+    checkpoint = elastic.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            with open(os.path.join(directory, "meta", "step.txt")) as stream:
+                resumed_from = int(stream.read())
+    evaluation_failures = []
+    for step in ctx.steps(dataset):
+        with step:
+            for i, mb in enumerate(step.micro_batches()):
+                loss = torch.nn.functional.mse_loss(model(mb.data[0]), mb.data[1])
+                if not config.get("plain_backward"):
+                    mb.backward(loss)
+                elif i == 0:  # weighted twice, which must not stand in for another micro-batch
+                    mb.backward(loss)
+                    mb.backward(torch.nn.functional.mse_loss(model(mb.data[0]), mb.data[1]))
+                else:
+                    loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if (ctx.rank, step.index) == tuple(config.get("die_before_evaluation", ())):
+            while elastic.get_checkpoint() is None:
+                pass  # dies once the directory it reported is in a complete checkpoint
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:
+            with ctx.between_steps() as block:
+                rows = slice(ctx.rank, None, ctx.world_size)
+                with torch.no_grad():
+                    mine = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
+                ctx.collectives.sample_mean(mine, samples=len(x[rows]))
+            if block.failed is None:
+                break
+            evaluation_failures.append(step.index)
+        if ctx.rank == 0 and ctx.step in config.get("report_at", ()):
+            with tempfile.TemporaryDirectory() as directory:  # gone when report returns, as in Ray Train
+                os.makedirs(os.path.join(directory, "meta"))
+                with open(os.path.join(directory, "meta", "step.txt"), "w") as stream:
+                    stream.write(str(ctx.step))
+                elastic.report({"loss": loss.item()}, checkpoint=directory)
+        else:
+            elastic.report({"loss": loss.item()})
+    return {
+        "loss_before_training": loss_before_training,
+        "is_module": isinstance(model, torch.nn.Module),
+        "resumed_from": resumed_from,
+        "evaluation_failures": evaluation_failures,
+        "params": {k: v.detach().clone() for k, v in prepared.state_dict().items()},
+        "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+    }
+
+
+def peer_dies_in_unguarded_collective_loop(config: dict) -> None:
+    ctx = elastic.get_context()
+    dataset = regression_data()
+    model = ctx.prepare_model(build_mlp())
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    for step in ctx.steps(dataset):
+        with step:
+            for mb in step.micro_batches():
+                mb.backward(torch.nn.functional.mse_loss(model(mb.data[0]), mb.data[1]))
+            optimizer.step()
+            optimizer.zero_grad()
+        if ctx.rank == 1 and step.index == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ctx.collectives.all_reduce(torch.ones(1))  # an evaluation's collective, unguarded
+
+
+def trainer(tmp_path, name, scaling, max_steps=8, loop=habits_loop, **loop_config) -> ElasticTrainer:
+    return ElasticTrainer(
+        loop, train_loop_config=loop_config, scaling_config=scaling,
+        run_config=RunConfig(name=name, storage_path=str(tmp_path),
+                             checkpoint_config=CheckpointConfig(every_steps=2, keep_last=10)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=max_steps, seed=3),
+        show_progress=False,
+    )
+
+
+def reported_step(checkpoint: Checkpoint) -> int:
+    with checkpoint.as_directory() as directory:
+        with open(os.path.join(directory, "meta", "step.txt")) as stream:
+            return int(stream.read())
+
+
+@pytest.fixture(scope="module")
+def habits(local_ray, tmp_path_factory):
+    """Rank 0 reports a directory after step 4 and dies right before an evaluation's collective
+    at step 5; then the run is resumed by name and trained to step 12."""
+    storage = tmp_path_factory.mktemp("habits")
+    first = trainer(storage, "habits", ScalingConfig(min_workers=1, max_workers=2),
+                    die_before_evaluation=(0, 5), report_at=[4]).fit()
+    resumed = trainer(storage, "habits", ScalingConfig(num_workers=2), max_steps=12, report_at=[12]).fit()
+    return first, resumed, RunStorage(str(storage), "habits")
+
+
+def test_a_reported_directory_is_carried_by_the_new_rank_0_and_comes_back_from_get_checkpoint_on_resume(habits):
+    first, resumed, run = habits
+    assert first.value["resumed_from"] is None  # a fresh run has no checkpoint to give back
+    assert verify(checkpoint_storage(run, 2)).reported_files() == []
+    assert [reported_step(verify(checkpoint_storage(run, step))) for step in (4, 6, 8)] == [4, 4, 4]
+    assert resumed.value["resumed_from"] == 4
+    assert resumed.checkpoint.step == 12 and reported_step(resumed.checkpoint) == 12
+
+
+def test_an_evaluation_whose_peer_dies_heals_inside_between_steps_and_runs_again(habits):
+    first, _, _ = habits
+    assert "heal" in [e["kind"] for e in first.events_of("generation_formed")]
+    assert first.value["evaluation_failures"] == [5]  # then evaluated again at world size 1
+
+
+def test_the_prepared_model_is_an_nn_module_called_before_the_first_step(habits):
+    x, y = regression_data().tensors
+    with torch.no_grad():
+        untrained = torch.nn.functional.mse_loss(build_mlp()(x), y).item()
+    for result in habits[:2]:
+        assert result.value["is_module"]
+        assert result.value["loss_before_training"] == pytest.approx(untrained, rel=1e-12)
+
+
+def test_a_plain_loss_backward_on_a_micro_batch_fails_the_run_naming_mb_backward(local_ray, tmp_path):
+    with pytest.raises(TrainingFailedError, match=r"UnweightedBackwardError: step 0: 3 of the 4 micro-batches were "
+                       r"backpropagated without mb.backward\(loss\).*Call mb.backward\(loss\) for every micro-batch"):
+        trainer(tmp_path, "plain-backward", ScalingConfig(num_workers=1), max_steps=2, plain_backward=True).fit()
+
+
+def test_a_peer_dying_in_a_collective_outside_a_step_fails_the_run_naming_between_steps(local_ray, tmp_path):
+    with pytest.raises(TrainingFailedError, match=r"outside `with step`; wrap such collectives.*ctx.between_steps\(\)"):
+        trainer(tmp_path, "unguarded", ScalingConfig(num_workers=2), max_steps=4,
+                loop=peer_dies_in_unguarded_collective_loop).fit()
+
+
+def test_the_prepared_model_trains_under_torch_compile_through_a_heal_to_the_eager_parameters(habits, tmp_path):
+    from torch._inductor.cpp_builder import get_cpp_compiler  # the search torch.compile itself makes
+
+    try:
+        get_cpp_compiler()
+    except Exception as exc:
+        pytest.skip(f"torch.compile on CPU (inductor) needs a C++ compiler and finds none ({exc}); install g++ "
+                    "or set CXX")
+    compiled = trainer(tmp_path, "compiled", ScalingConfig(min_workers=1, max_workers=2), compile=True,
+                       die_before_evaluation=(1, 5), report_at=[4]).fit()
+    eager = habits[0]  # the same 8 steps, eager, with rank 0 lost instead: both equal a fixed-size run
+    assert compiled.value["compiled_graphs"] > 0 and eager.value["compiled_graphs"] == 0
+    assert "heal" in [e["kind"] for e in compiled.events_of("generation_formed")]
+    for name, value in eager.value["params"].items():
+        torch.testing.assert_close(compiled.value["params"][name], value, rtol=1e-9, atol=1e-12)
+
+
+# --- the bad inputs of report(checkpoint=...), without Ray --------------------------------
+
+def test_a_reported_checkpoint_that_is_not_a_directory_is_refused_saying_what_to_pass(tmp_path):
+    with pytest.raises(ReportedCheckpointError, match=r"is not a directory; pass the path of a local directory"):
+        files_to_store(str(tmp_path / "missing"), 0, SCHEDULED)
+    with pytest.raises(ReportedCheckpointError, match=r"a int is not a checkpoint; pass the path of a local "
+                       r"directory, or an object with as_directory\(\)"):
+        files_to_store(42, 0, SCHEDULED)
+
+
+def test_a_reported_checkpoint_on_a_rank_other_than_0_is_refused_saying_to_pass_it_on_rank_0(tmp_path):
+    with pytest.raises(ReportedCheckpointError, match=r"on rank 1; elastic stores the directory rank 0 reports.*"
+                       r"checkpoint=... if ctx.rank == 0 else None"):
+        files_to_store(str(tmp_path), 1, SCHEDULED)
+
+
+def test_a_reported_checkpoint_in_a_run_without_a_checkpoint_schedule_is_refused_naming_the_setting(tmp_path):
+    with pytest.raises(ReportedCheckpointError, match=r"schedules none; set CheckpointConfig\(every_steps=N\)"):
+        files_to_store(str(tmp_path), 0, CheckpointConfig())
+
+
+def test_a_reported_checkpoint_before_the_first_step_is_refused(tmp_path):
+    with pytest.raises(ReportedCheckpointError, match=r"before ctx.steps\(\) formed the first generation"):
+        files_to_store(str(tmp_path), -1, SCHEDULED)
+
+
+def test_a_reported_directory_is_read_whole_with_its_subfolders(tmp_path):
+    (tmp_path / "meta").mkdir()
+    (tmp_path / "meta" / "step.txt").write_text("4")
+    (tmp_path / "weights.bin").write_bytes(b"\x00\x01")
+    assert files_to_store(str(tmp_path), 0, SCHEDULED) == {"meta/step.txt": b"4", "weights.bin": b"\x00\x01"}
+
+
+def test_the_prepared_model_is_a_module_that_wraps_the_users_without_a_group():
+    ctx = TrainContext(DataConfig(global_batch_size=4, micro_batch_size=4, max_steps=1), GenerationMailbox(), [],
+                       lambda report: None, use_gpu=False)
+    mlp = build_mlp()
+    model = ctx.prepare_model(mlp)
+    x = regression_data().tensors[0]
+    assert isinstance(model, torch.nn.Module)
+    assert [id(p) for p in model.parameters()] == [id(p) for p in mlp.parameters()]
+    assert list(model.state_dict()) == [f"module.{k}" for k in mlp.state_dict()]  # as DDP's
+    assert torch.equal(model(x), mlp(x))  # no generation formed: the module itself
+
+
+def test_between_steps_inside_a_step_is_refused_because_the_step_heals_itself():
+    ctx = TrainContext(DataConfig(global_batch_size=4, micro_batch_size=4, max_steps=1), GenerationMailbox(), [],
+                       lambda report: None, use_gpu=False)
+    with pytest.raises(ElasticError, match=r"ctx.between_steps\(\) is used inside `with step`, which heals a peer's "
+                       r"death itself .*; use it outside the step"):
+        with Step(ctx, 0, DataCursor(seed=0), samples=8):
+            ctx.between_steps()
+    with pytest.raises(ElasticError, match=r"before ctx.steps\(\) formed the first generation"):
+        ctx.between_steps()  # outside the step now, but no generation was ever formed
+
+
+def test_a_ray_train_checkpoint_is_reported_as_the_directory_it_names(tmp_path):
+    train = pytest.importorskip("ray.train", reason="ray[train] is not installed")
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    assert files_to_store(train.Checkpoint.from_directory(str(tmp_path)), 0, SCHEDULED) == {"model.pt": b"weights"}
