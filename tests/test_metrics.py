@@ -23,15 +23,18 @@ def _free_port() -> int:
 @pytest.mark.timeout(180)
 def test_step_time_world_size_throughput_and_goodput_are_scraped_from_prometheus(tmp_path):
     port = _free_port()
+    gate = tmp_path / "scraped-gate"
     ray.init(address="local", num_cpus=3, log_to_driver=False, _metrics_export_port=port,
              _system_config={"metrics_report_interval_ms": 1000})
     try:
         trainer = ElasticTrainer(
             regression_loop,
-            train_loop_config={"max_steps": 600, "sleep_s": 0.05},
+            # Held at step 40 until every gauge was scraped, so the run outlasts the scrape
+            # however slow the machine, and ends as soon as it is done.
+            train_loop_config={"max_steps": 60, "sleep_s": 0.05, "gate": (40, str(gate))},
             scaling_config=ScalingConfig(min_workers=2, max_workers=2),
             run_config=RunConfig(name="scraped", storage_path=str(tmp_path)),
-            data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=600),
+            data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=60),
             show_progress=False,
         )
         fit = threading.Thread(target=trainer.fit, daemon=True)
@@ -45,6 +48,7 @@ def test_step_time_world_size_throughput_and_goodput_are_scraped_from_prometheus
                 continue
             found = {m for m in METRICS if any(line.startswith(f"ray_{m}{{") and 'run="scraped"' in line
                                                    for line in text.splitlines())}
+        gate.touch()
         assert found == set(METRICS)
         fit.join()
     finally:

@@ -242,7 +242,10 @@ def test_a_checkpoint_without_optimizer_shards_does_not_resume_a_zero_run(local_
 SLOW_STEP_S = 0.25  # a sleep inside each step, standing for seconds of compute (as in the chaos matrix)
 
 
-@pytest.mark.parametrize("strategy", [Strategy(sync="diloco:every=8"), ZERO], ids=["diloco", "zero"])
+# The DiLoCo case runs under `-m soak` (the suite's time on 2 cores); its rollback through a
+# Fault kill is in CI (test_diloco_rolls_a_mid_interval_death_back_...).
+@pytest.mark.parametrize("strategy", [pytest.param(Strategy(sync="diloco:every=8"), marks=pytest.mark.soak), ZERO],
+                         ids=["diloco", "zero"])
 def test_slow_steps_heal_a_sigkill_sent_from_outside_at_a_moment_inside_a_step(local_ray, tmp_path, ddp_reference,
                                                                                strategy):
     # From step 12 on, rank 1's process is killed at a random moment of a step: mid-interval
