@@ -2,9 +2,9 @@
 
 An MLP 256 -> 1024 -> 1024 -> 10 with ReLU, SGD at lr 0.01, a global batch of 128 split
 evenly over the ranks, on synthetic data drawn from a fixed seed. The plain-DDP and Ray Train
-loops take their samples exactly as elastic's data cursor does (one permutation per epoch,
-rank r reads a contiguous share of each global batch), so that the systems differ only in
-what wraps the step.
+loops take their samples the way elastic's data cursor does (a seeded order per epoch, rank r
+reads a contiguous share of each global batch; elastic's order is block-wise, at the same
+cost per step), so that the systems differ only in what wraps the step.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def _epoch_order(epoch: int) -> torch.Tensor:
 
 
 def rank_indices(step: int, world_size: int, rank: int) -> torch.Tensor:
-    """Sample indices of rank's share of global step `step`, drawn like elastic's DataCursor."""
+    """Sample indices of rank's share of global step `step`: a seeded permutation per epoch,
+    contiguous shares of each global batch (elastic's own order is block-wise, with the same cost)."""
     epoch, within = divmod(step, NUM_SAMPLES // GLOBAL_BATCH)
     share = GLOBAL_BATCH // world_size
     start = within * GLOBAL_BATCH + rank * share

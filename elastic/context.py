@@ -370,8 +370,9 @@ class TrainContext:
 
     def register_state(self, name: str, obj: Any) -> None:
         """Sync another stateful object (a tensor, or anything with state_dict/load_state_dict)."""
-        if name in self._objects:
-            raise ElasticError(f"state {name!r} is already registered; pick another name")
+        if name in self._objects or name == "data_stream":
+            raise ElasticError(f"state {name!r} is already registered; pick another name (elastic registers "
+                               "'rng', and 'data_stream' for an iterable dataset's position)")
         self._objects[name] = obj
 
     def add_checkpoint_file(self, name: str, data: bytes) -> None:

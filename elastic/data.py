@@ -29,6 +29,8 @@ from torch.utils.data import TensorDataset, default_collate
 # Indices of a map-style dataset that form one block of the epoch order: contiguous indices
 # stay together inside a window, which keeps a lazy dataset's reads local.
 MAP_STYLE_BLOCK = 4096
+# Window permutations an EpochOrder keeps (each `shuffle_window` int64s).
+KEPT_WINDOWS = 4
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,10 @@ class EpochOrder:
             first = int(self._window_starts[w])
             stop = int(self._window_starts[w + 1]) if w + 1 < len(self._window_starts) else self.num_samples
             permutation = torch.randperm(stop - first, generator=_generator(self._key + w + 1)).numpy()
-            # Keep two windows: a step may straddle a boundary. Replaced whole, not mutated,
-            # because prefetch threads read the next step's window at the same time.
-            self._windows = {k: v for k, v in self._windows.items() if k == w - 1} | {w: permutation}
+            # Keep the last few windows used: a step may straddle a boundary, and prefetch
+            # threads read steps of the next windows meanwhile. Replaced whole, not mutated,
+            # because those threads read it at the same time.
+            self._windows = dict(list(self._windows.items())[-(KEPT_WINDOWS - 1):]) | {w: permutation}
         return permutation
 
 
@@ -154,5 +157,7 @@ def fetch(dataset: Any, indices: torch.Tensor) -> Any:
     if isinstance(dataset, TensorDataset):
         return tuple(t[indices] for t in dataset.tensors)
     if hasattr(dataset, "__getitems__"):
-        return dataset.__getitems__(indices.tolist())
+        # torch's protocol returns a list of samples for the collate function; ours, collated already.
+        items = dataset.__getitems__(indices.tolist())
+        return default_collate(items) if isinstance(items, list) else items
     return default_collate([dataset[i] for i in indices.tolist()])

@@ -73,8 +73,14 @@ class Loader:
             )
         blocks = getattr(dataset, "block_sizes", None)
         self._blocks = list(blocks) if blocks is not None else data_math.map_style_blocks(self.num_samples)
+        if sum(self._blocks) != self.num_samples:
+            raise ElasticError(f"{type(dataset).__name__}.block_sizes sum to {sum(self._blocks)}, but its len() is "
+                               f"{self.num_samples}; the blocks must number every sample once")
+        if getattr(dataset, "cache_rows", 0) is None:
+            # A step's share spans the row groups of up to two windows: keep them all decoded.
+            dataset.cache_rows = 2 * config.shuffle_window + max(self._blocks)
         self._orders: dict[int, data_math.EpochOrder] = {}
-        self._pin = pin_memory
+        self._pin = pin_memory and config.prefetch_threads > 0  # on the train thread pinning is one more copy
         self._pool = (ThreadPoolExecutor(config.prefetch_threads, thread_name_prefix="elastic-prefetch")
                       if config.prefetch_threads else None)
         self._ahead: dict[StepKey, Future] = {}
@@ -84,6 +90,12 @@ class Loader:
         return cursor
 
     def step_samples(self, cursor: data_math.DataCursor) -> int:
+        if cursor.consumed >= self.num_samples:
+            raise ElasticError(
+                f"the data cursor is at sample {cursor.consumed} of epoch {cursor.epoch}, but the dataset has "
+                f"{self.num_samples} samples: a run resumes with the dataset and DataConfig it was written with "
+                "(seed, shuffle, shuffle_window); use a new run name for new data"
+            )
         return cursor.step_samples(self.config.global_batch_size, self.num_samples)
 
     def advance(self, cursor: data_math.DataCursor) -> data_math.DataCursor:

@@ -1,9 +1,18 @@
 """The process's random number generators as one piece of synced, checkpointed state.
 
-Registered by every run under the name "rng": after a heal or a grow every rank holds the
-source rank's python, numpy, torch (and, once initialised, CUDA) generator states, and a
-checkpoint resumes them. So a newcomer draws the same dropout masks and augmentations as
-the rank it replaced would have, and a resumed run continues the fault-free run's streams.
+Registered by every run under the name "rng", like the model: when a generation forms by
+sending state (every start, grow and restart, and a heal in which some survivor was behind),
+every rank takes the source rank's python, numpy, torch (and, once initialised, CUDA)
+generator states; checkpoints keep them; a failed step rewinds them to its start. So a loop
+whose ranks draw alike (dropout on equal shares, noise, a schedule's jitter) redraws after a
+heal exactly what the fault-free run drew, and a newcomer draws what the others draw.
+
+Like any synced state this assumes the ranks stay alike between formations. Draws that
+depend on a rank's share (per-sample augmentation on shares that differ by one) or on its
+rank make the generators differ until the next formation, and a checkpoint written then
+holds pieces of several ranks' states; seed such draws from (seed, step, rank) with a
+`torch.Generator` of their own. Seeding each rank differently at start is overridden by the
+first generation.
 """
 
 from __future__ import annotations

@@ -133,18 +133,18 @@ class StreamLoader:
             self._restart(epoch, None)
             samples = self._next()
         if len(samples) < (self.config.global_batch_size if self.config.drop_last else 1):
-            raise ElasticError(
-                f"{type(self.dataset).__name__} yielded {len(samples)} samples in epoch {epoch}, fewer than "
-                f"{'global_batch_size(' + str(self.config.global_batch_size) + ')' if self.config.drop_last else 'one'}; "
-                "an iterable dataset must yield at least a global batch per epoch"
-            )
+            least = (f"global_batch_size({self.config.global_batch_size}), as drop_last needs"
+                     if self.config.drop_last else "one sample")
+            raise ElasticError(f"{type(self.dataset).__name__} yielded {len(samples)} samples in epoch {epoch}; an "
+                               f"iterable dataset must yield at least {least} per epoch")
         self._at = (epoch, consumed + len(samples))
         return (epoch, consumed), samples, copy.deepcopy(self.dataset.state_dict())
 
     def _restart(self, epoch: int, position: Any) -> None:
+        # The position first: a dataset whose state holds its epoch takes the new one after.
+        self.dataset.load_state_dict(copy.deepcopy(self._initial if position is None else position))
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
-        self.dataset.load_state_dict(copy.deepcopy(self._initial if position is None else position))
         self._iterator = iter(self.dataset)
 
     def _next(self) -> list[Any]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from elastic.config import DataConfig
+from elastic.errors import ElasticError
 from elastic.data import (
     DataCursor,
     EpochOrder,
@@ -174,3 +175,50 @@ def test_parquet_dataset_without_rows_is_rejected(tmp_path):
     pq.write_table(pa.table({"x": pa.array([], pa.int64())}), tmp_path / "empty.parquet")
     with pytest.raises(ValueError, match="has no rows"):
         ParquetDataset(str(tmp_path))
+
+
+def test_parquet_files_with_different_integer_widths_are_read_with_one_schema(tmp_path):
+    pq.write_table(pa.table({"x": pa.array([1, 2], pa.int64())}), tmp_path / "part-0.parquet")
+    pq.write_table(pa.table({"x": pa.array([3], pa.int32())}), tmp_path / "part-1.parquet")
+    assert fetch(ParquetDataset(str(tmp_path)), torch.tensor([2, 0]))["x"].tolist() == [3, 1]
+
+
+def test_parquet_columns_that_are_not_tensors_are_refused_with_their_name(tmp_path):
+    table = pa.table({"x": [1.0, 2.0], "text": ["a", "b"], "ragged": [[1], [2, 3]], "gaps": [1, None]})
+    pq.write_table(table, tmp_path / "part-0.parquet")
+    with pytest.raises(ValueError, match=r"column 'text' is string, which is not a tensor.*columns=\[\.\.\.\]"):
+        ParquetDataset(str(tmp_path))
+    with pytest.raises(ValueError, match=r"no column 'y'; the files have \['x', 'text', 'ragged', 'gaps'\]"):
+        ParquetDataset(str(tmp_path), columns=["y"])
+    with pytest.raises(ValueError, match=r"column 'ragged' has rows of 1 to 2 values.*one length"):
+        fetch(ParquetDataset(str(tmp_path), columns=["ragged"]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"column 'gaps' has 1 nulls"):
+        fetch(ParquetDataset(str(tmp_path), columns=["gaps"]), torch.tensor([0, 1]))
+
+
+def test_a_cursor_beyond_the_datasets_end_is_refused_rather_than_weighted_negatively():
+    loader = Loader(torch.utils.data.TensorDataset(torch.arange(50.0)), DataConfig(global_batch_size=8,
+                                                                               micro_batch_size=8, max_steps=9))
+    with pytest.raises(ElasticError, match=r"cursor is at sample 56 of epoch 0, but the dataset has 50 samples"):
+        loader.step_samples(DataCursor(consumed=56))
+
+
+def test_the_loader_sizes_a_parquet_cache_to_two_windows_and_a_row_group(tmp_path):
+    pq.write_table(pa.table({"x": list(range(100))}), tmp_path / "part-0.parquet", row_group_size=30)
+    dataset = ParquetDataset(str(tmp_path))
+    Loader(dataset, DataConfig(global_batch_size=8, micro_batch_size=8, max_steps=9, shuffle_window=20))
+    assert dataset.cache_rows == 2 * 20 + 30
+
+
+def test_a_torch_style_getitems_returning_a_list_of_samples_is_collated():
+    class Listing(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, index):
+            return torch.tensor([float(index)])
+
+        def __getitems__(self, indices):
+            return [self[i] for i in indices]
+
+    assert fetch(Listing(), torch.tensor([3, 1])).tolist() == [[3.0], [1.0]]

@@ -105,5 +105,14 @@ def test_an_iterable_dataset_that_cannot_save_its_position_is_refused():
 
 def test_an_iterable_dataset_with_no_sample_in_an_epoch_is_refused():
     loader = open_loader(Counting(0), _config())
-    with pytest.raises(ElasticError, match=r"Counting yielded 0 samples in epoch 0, fewer than one"):
+    with pytest.raises(ElasticError, match=r"Counting yielded 0 samples in epoch 0; an iterable dataset must yield at least one sample per epoch"):
         loader.settle(DataCursor())
+
+
+def test_the_names_elastic_registers_are_refused_to_the_train_loop():
+    from elastic.context import TrainContext
+
+    ctx = TrainContext(_config(), mailbox=None, faults=[], report_sink=lambda record: None, use_gpu=False)
+    for name in ("rng", "data_stream"):
+        with pytest.raises(ElasticError, match=rf"state '{name}' is already registered; pick another name"):
+            ctx.register_state(name, torch.zeros(1))
