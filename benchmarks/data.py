@@ -12,7 +12,9 @@ max under `spread.<key>`:
   over an `elastic.ParquetDataset` (shuffled: blocks and windows, world size 1, a global batch
   of 256) through one epoch of Parquet files of 256-byte token windows, over a bare
   `pyarrow.dataset` scan of the same files in file order, each batch turned into a tensor the
-  same way. Both read from the page cache, in this process, one after the other;
+  same way. Both read from the page cache, one after the other, in a fresh process with
+  OMP_NUM_THREADS=1, as in a Ray worker of one CPU (pyarrow and torch size their thread pools
+  from it);
 - step_ratio_slow_dataset_prefetch: the median steady step time of ElasticTrainer on 2 CPU
   workers (benchmarks/workload.py's MLP) whose data set sleeps SLOW_FETCH_S in every fetch,
   with DataConfig(prefetch_threads=2), over the same run on the in-memory data set (a sleep
@@ -21,7 +23,8 @@ max under `spread.<key>`:
   the share of the data time prefetch took off the step: (slow - prefetched) / (slow - in memory);
 - worker_peak_rss_mb.1x and .10x: the peak resident memory of a fresh process that reads one
   epoch through the same loader (prefetch_threads=1) over ROWS and 10 x ROWS rows, with
-  DataConfig's shuffle window at WINDOW rows and the dataset's cache at two windows;
+  DataConfig's shuffle window at WINDOW rows (the loader sizes the dataset's cache to two windows
+  and a row group);
   worker_peak_rss_ratio_10x_vs_1x their ratio; worker_rss_before_read_mb what that process
   holds once its imports are done, before it reads (most of the peak is torch's and pyarrow's
   libraries).
@@ -54,7 +57,7 @@ from benchmarks import workload
 from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures
 from elastic.data import DataCursor
 from elastic.loader import Loader
-from elastic.parquet import _column_tensor
+from elastic.parquet import _column_array
 
 ROWS = 131_072
 TOKENS = 256
@@ -96,7 +99,7 @@ def loader_config(steps: int = 1, prefetch_threads: int = 0) -> elastic.DataConf
 
 def read_epoch(folder: str, prefetch_threads: int = 0) -> int:
     """Samples one rank at world size 1 reads in an epoch through the loader."""
-    dataset = elastic.ParquetDataset(folder, cache_rows=2 * WINDOW)
+    dataset = elastic.ParquetDataset(folder)
     loader = Loader(dataset, loader_config(prefetch_threads=prefetch_threads))
     cursor, samples = DataCursor(), 0
     while cursor.epoch == 0:
@@ -109,7 +112,7 @@ def read_epoch(folder: str, prefetch_threads: int = 0) -> int:
 def bare_scan(folder: str) -> int:
     samples = 0
     for batch in pads.dataset(folder, format="parquet").to_batches(batch_size=LOADER_BATCH):
-        samples += len(_column_tensor(pa.chunked_array([batch.column(0)])))
+        samples += len(torch.from_numpy(_column_array("tokens", pa.chunked_array([batch.column(0)])).copy()))
     return samples
 
 
@@ -168,6 +171,14 @@ def step_s(storage: str, steps: int, slow: bool, prefetch_threads: int) -> float
     return result.value["step_s"]
 
 
+def throughput(folder: str) -> dict[str, float]:
+    """Samples per second of the bare scan and of the loader, measured in a fresh process
+    with one CPU thread, as a Ray worker with num_cpus=1 has."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.data", "--child-throughput", folder], check=True,
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def peak_rss_mb(folder: str) -> dict[str, float]:
     """A fresh process's RSS once torch and pyarrow are imported, and its peak after reading
     one epoch of `folder` through the loader."""
@@ -191,7 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--child-rss", help=argparse.SUPPRESS)
+    parser.add_argument("--child-throughput", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child_throughput:
+        read_epoch(args.child_throughput)  # both read from the page cache
+        print(json.dumps({"scan": samples_per_s(bare_scan, args.child_throughput),
+                          "loader": samples_per_s(read_epoch, args.child_throughput)}))
+        return 0
     if args.child_rss:
         before = _current_rss_mb()
         samples = read_epoch(args.child_rss, prefetch_threads=1)
@@ -210,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         write_corpus(small, ROWS)
         write_corpus(large, 10 * ROWS)
         for round_index in range(rounds):
-            scan, loader = samples_per_s(bare_scan, small), samples_per_s(read_epoch, small)
+            rates = throughput(small)
+            scan, loader = rates["scan"], rates["loader"]
             add("loader_samples_s_ratio_vs_pyarrow", loader / scan)
             rss_small, rss_large = peak_rss_mb(small), peak_rss_mb(large)
             add("worker_peak_rss_mb.1x", rss_small["peak_rss_mb"])

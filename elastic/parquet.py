@@ -34,7 +34,7 @@ class ParquetDataset:
         cache_rows: int | None = None,
     ) -> None:
         dataset = pads.dataset(source, format="parquet", filesystem=filesystem)
-        self._schema = dataset.schema
+        self._schema, self._format, self._filesystem = dataset.schema, dataset.format, dataset.filesystem
         self.columns = list(columns) if columns is not None else dataset.schema.names
         for name in self.columns:
             _check_column(name, self._schema)
@@ -48,7 +48,7 @@ class ParquetDataset:
         sizes = numpy.asarray(self.block_sizes, dtype=numpy.int64)
         self._first_ids = numpy.cumsum(sizes) - sizes
         self.cache_rows = cache_rows  # None: the loader sets it from DataConfig.shuffle_window
-        self._cache: OrderedDict[int, pa.Table] = OrderedDict()
+        self._cache: OrderedDict[int, dict[str, numpy.ndarray]] = OrderedDict()
         self._lock = threading.Lock()
         self._reading: dict[int, threading.Event] = {}  # row groups being read, by block
         self.row_groups_read = 0
@@ -65,37 +65,66 @@ class ParquetDataset:
             raise IndexError(f"sample ids must be in [0, {len(self)}), got {indices[:8]}")
         blocks = numpy.searchsorted(self._first_ids, ids, side="right") - 1
         order = numpy.argsort(blocks, kind="stable")
-        parts = [self._block(int(block)).take(ids[order[start:stop]] - self._first_ids[block])
-                 for block, start, stop in _runs(blocks[order])]
-        # The parts follow the blocks' order; put the rows back in the order they were asked for.
-        rows = pa.concat_tables(parts).take(numpy.argsort(order))
-        return {name: _column_tensor(name, rows.column(name)) for name in self.columns}
+        runs = _runs(blocks[order])
+        columns_of = self._blocks([block for block, _, _ in runs])
+        # numpy's fancy indexing, not torch's: ~8x less overhead on batch-sized copies.
+        out: dict[str, numpy.ndarray] = {}
+        for block, start, stop in runs:
+            where = order[start:stop]  # the positions in the request of this block's rows
+            rows = ids[where] - self._first_ids[block]
+            for name, column in columns_of[block].items():
+                if name not in out:
+                    out[name] = numpy.empty((len(ids), *column.shape[1:]), dtype=column.dtype)
+                out[name][where] = column[rows]
+        return {name: torch.from_numpy(array) for name, array in out.items()}
 
-    def _block(self, block: int) -> pa.Table:
-        while True:
+    def _blocks(self, blocks: list[int]) -> dict[int, dict[str, numpy.ndarray]]:
+        """Row groups `blocks`, each as one array per column: cached, or read together (pyarrow
+        reads them in parallel), or taken from another thread that is reading them."""
+        found: dict[int, dict[str, numpy.ndarray]] = {}
+        while len(found) < len(blocks):
+            mine, theirs = [], []
             with self._lock:
-                if block in self._cache:
-                    self._cache.move_to_end(block)
-                    return self._cache[block]
-                reading = self._reading.get(block)
-                if reading is None:
-                    reading = self._reading[block] = threading.Event()
-                    break
-            reading.wait()  # another thread reads this row group: take its copy, never read twice
+                for block in blocks:
+                    if block in found:
+                        continue
+                    if block in self._cache:
+                        self._cache.move_to_end(block)
+                        found[block] = self._cache[block]
+                    elif block in self._reading:
+                        theirs.append(self._reading[block])
+                    else:
+                        self._reading[block] = threading.Event()
+                        mine.append(block)
+            if mine:
+                found.update(self._read(mine))
+            for reading in theirs:
+                reading.wait()  # a row group is never read twice at once; take the other thread's copy
+        return found
+
+    def _read(self, blocks: list[int]) -> dict[int, dict[str, numpy.ndarray]]:
         try:
-            # Read outside the lock: pyarrow releases the GIL, so prefetch threads read in parallel.
-            table = self._row_groups[block].to_table(columns=self.columns, schema=self._schema)
+            # Outside the lock: pyarrow releases the GIL, so prefetch threads read in parallel.
+            part = pads.FileSystemDataset([self._row_groups[b] for b in blocks], self._schema,
+                                          self._format, self._filesystem)
+            table = part.to_table(columns=self.columns)
+            read, offset = {}, 0
+            for block in blocks:
+                rows = table.slice(offset, self.block_sizes[block])
+                read[block] = {name: _column_array(name, rows.column(name)) for name in self.columns}
+                offset += self.block_sizes[block]
             with self._lock:
-                self.row_groups_read += 1
-                self._cache[block] = table
-                held = sum(t.num_rows for t in self._cache.values())
+                self.row_groups_read += len(blocks)
+                self._cache.update(read)
+                held = sum(self.block_sizes[b] for b in self._cache)
                 while self.cache_rows is not None and held > self.cache_rows and len(self._cache) > 1:
-                    held -= self._cache.popitem(last=False)[1].num_rows
+                    held -= self.block_sizes[self._cache.popitem(last=False)[0]]
+            return read
         finally:
             with self._lock:
-                del self._reading[block]
-            reading.set()
-        return table
+                events = [self._reading.pop(block) for block in blocks]
+            for event in events:
+                event.set()
 
     def __getstate__(self) -> dict:
         # The cache and the lock stay behind: a copy sent to a worker reads afresh.
@@ -132,10 +161,10 @@ def _check_column(name: str, schema: pa.Schema) -> None:
         )
 
 
-def _column_tensor(name: str, column: pa.ChunkedArray) -> torch.Tensor:
+def _column_array(name: str, column: pa.ChunkedArray) -> numpy.ndarray:
     array = column.combine_chunks()
     if array.null_count:
-        raise ValueError(f"ParquetDataset: column {name!r} has {array.null_count} nulls among the rows read; "
+        raise ValueError(f"ParquetDataset: column {name!r} has {array.null_count} nulls in a row group; "
                          "fill them in the files, or pass columns=[...] without it")
     if _is_list(array.type):
         lengths = pc.list_value_length(array)
@@ -143,6 +172,5 @@ def _column_tensor(name: str, column: pa.ChunkedArray) -> torch.Tensor:
         if shortest != longest:
             raise ValueError(f"ParquetDataset: column {name!r} has rows of {shortest} to {longest} values; a list "
                              "column becomes one 2-d tensor, so its rows need one length (pack or pad them)")
-        values = array.flatten().to_numpy(zero_copy_only=False)
-        return torch.from_numpy(values.reshape(len(array), -1).copy())
-    return torch.from_numpy(array.to_numpy(zero_copy_only=False).copy())
+        return array.flatten().to_numpy(zero_copy_only=False).reshape(len(array), -1)
+    return array.to_numpy(zero_copy_only=False)
