@@ -97,7 +97,8 @@ class Controller:
                               generation=self.protocol.generation, failures=self.protocol.failures)
         self.journal.emit("run_started", name=self.spec.run.name, attempt=self.spec.attempt,
                           scaling=self.spec.scaling.model_dump(),
-                          data=self.spec.data.model_dump(), faults=[f.spec() for f in self.spec.faults])
+                          data=self.spec.data.model_dump(), strategy=self.spec.strategy.model_dump(),
+                          faults=[f.spec() for f in self.spec.faults])
         latest = await asyncio.to_thread(
             latest_complete, self.storage,
             lambda step, reason: self.journal.emit("checkpoint_skipped", step=step, reason=reason),

@@ -5,7 +5,7 @@ worker's train loop) can be imported without pulling in the driver's side.
 """
 
 from elastic.config import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig, Strategy
-from elastic.context import MicroBatch, Step, TrainContext, get_checkpoint, get_context, report
+from elastic.context import TrainContext, get_checkpoint, get_context, report
 from elastic.data import DataCursor
 from elastic.errors import (
     CapacityTimeoutError,
@@ -14,8 +14,9 @@ from elastic.errors import (
     TrainingFailedError,
     UnweightedBackwardError,
 )
-from elastic.parquet import ParquetDataset
 from elastic.faults import Fault, parse_fault
+from elastic.parquet import ParquetDataset
+from elastic.step import MicroBatch, Step
 
 __all__ = [
     "CapacityTimeoutError",

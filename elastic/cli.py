@@ -303,11 +303,22 @@ def _add_plot(commands: argparse._SubParsersAction) -> None:
     plot.add_argument("-o", "--output", metavar="PNG", help="file to write (default: <name>-timeline.png)")
     plot.add_argument("--all-attempts", action="store_true",
                       help="draw every attempt of the run name, not only the latest")
+    plot.add_argument("--compare", nargs="+", metavar="RUN",
+                      help="draw the loss over committed steps of this run and of each RUN (same storage path) "
+                      "in one PNG instead of the timeline (default file: <name>-compare.png)")
     plot.set_defaults(handler=_reading_run(_draw_plot))
 
 
 def _draw_plot(run: Run, args: argparse.Namespace) -> int:
-    from elastic.timeline import draw_timeline
+    from elastic.timeline import draw_comparison, draw_timeline
+
+    if args.compare:
+        runs = {run.name: run.events}
+        runs.update({name: open_run(args.storage_path, name).events for name in args.compare})
+        output = args.output or f"{run.name}-compare.png"
+        last = draw_comparison(runs, output)
+        print(f"wrote {output}; last loss: " + ", ".join(f"{name} {loss:.4f}" for name, loss in last.items()))
+        return 0
 
     output = args.output or f"{run.name}-timeline.png"
     drawn = draw_timeline(run.events, output, run.name, all_attempts=args.all_attempts)

@@ -26,7 +26,6 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -53,9 +52,10 @@ from elastic.group import (
     leave_group,
     rendezvous,
 )
-from elastic.loader import Loader, open_loader
+from elastic.loader import Loader, open_loader, to_device
 from elastic.mailbox import GenerationMailbox
 from elastic.random_state import RandomState
+from elastic.step import BetweenSteps, ElasticDDP, MicroBatch, Step
 from elastic.stream import StreamLoader
 from elastic.state_sync import load_into, state_of, sync_state
 from elastic.techniques import Techniques
@@ -89,128 +89,6 @@ def get_checkpoint() -> Checkpoint | None:
     """The run's latest complete checkpoint if it holds a directory rank 0 reported, else None
     (as on a fresh run); read its files with `as_directory()` or `to_directory()`."""
     return get_context().get_checkpoint()
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch of this rank's share: the collated `data`, its sample `indices`, its `weight`."""
-
-    data: Any
-    indices: torch.Tensor
-    weight: float
-    on_sync: Callable[[], None] | None = None  # called before the backward that syncs gradients
-    run_backward: Callable[[torch.Tensor], None] = torch.Tensor.backward  # fp16 scales the loss first
-    step: "Step | None" = None  # counts the micro-batches backpropagated here, which the optimizer's step checks
-    weighted: bool = False  # went through backward() at least once
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate the micro-batch's mean loss, weighted so the step is the global-batch mean."""
-        if self.on_sync is not None:
-            self.on_sync()
-        if self.step is not None and not self.weighted:
-            self.step.weighted += 1
-        self.weighted = True
-        self.run_backward(loss * self.weight)
-
-
-class Step:
-    """One optimizer step; use it as `with step:` so a lost peer heals instead of crashing."""
-
-    def __init__(self, ctx: "TrainContext", index: int, cursor: data_math.DataCursor, samples: int) -> None:
-        self._ctx = ctx
-        self.index = index
-        self.cursor = cursor
-        self.samples = samples  # in the whole step, across ranks
-        self.rank = ctx.rank
-        self.world_size = ctx.world_size
-        self.entered = False
-        self.committed = False
-        self.compute_s: float | None = None
-        self.failed: str | None = None
-        self.started = 0.0
-        # Micro-batches handed out, and those backpropagated with mb.backward: a plain
-        # loss.backward() leaves its micro-batch unweighted, which the optimizer's step refuses.
-        self.given = 0
-        self.weighted = 0
-
-    def micro_batches(self) -> Iterator[MicroBatch]:
-        """This rank's share of the global batch, in micro-batches; gradients sync on the last one."""
-        batches = self._ctx._micro_batches(self)
-        try:
-            for batch in batches:
-                batch.step = self
-                self.given += 1
-                yield batch
-        finally:
-            batches.close()  # leaves DDP's no_sync at once if the loop stops early
-
-    def __enter__(self) -> "Step":
-        self.entered = True
-        self._ctx._inside_step = True
-        self.started = time.perf_counter()
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        self._ctx._inside_step = False
-        return self._ctx._end_step(self, exc)
-
-
-class BetweenSteps:
-    """A block of the train loop's own collectives outside `with step` (an evaluation, say):
-    `with ctx.between_steps() as block:`. A peer's death inside it ends the block, this rank
-    joins the healed generation at once, and `block.failed` holds the error; any other
-    exception passes through."""
-
-    def __init__(self, ctx: "TrainContext") -> None:
-        self._ctx = ctx
-        self.failed: str | None = None
-
-    def __enter__(self) -> "BetweenSteps":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None or not is_peer_failure(exc):
-            return False
-        # Keep the message, not the exception: its traceback would keep the old group alive.
-        self.failed = f"{type(exc).__name__}: {exc}"
-        self._ctx._flag = None
-        self._ctx._join(reason="heal")
-        return True
-
-
-class ElasticDDP(torch.nn.Module):
-    """The prepared model, a `torch.nn.Module` holding yours as `module` (so `parameters()`,
-    `state_dict()` with "module." keys, `train()`/`eval()` and `torch.compile` work as on DDP).
-
-    While a generation is formed, calls go to the DistributedDataParallel rebuilt for it (to
-    the module itself under local SGD, which syncs parameters, not gradients); before the
-    first generation, and between leaving one and forming the next, straight to the module,
-    as an evaluation before training needs. Always under the run's autocast.
-    """
-
-    def __init__(self, ctx: "TrainContext", module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = module
-        self._ctx = ctx
-        self.ddp: DistributedDataParallel | None = None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # DDP holds `module`: registered as a submodule, it would appear twice in state_dict().
-        if name == "ddp":
-            self.__dict__[name] = value
-        else:
-            super().__setattr__(name, value)
-
-    def forward(self, *args, **kwargs):
-        return self._ctx.techniques.precision.forward(self.module if self.ddp is None else self.ddp, *args, **kwargs)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(self.module, name)  # the user's own attributes, as before wrapping
 
 
 class TrainContext:
@@ -469,7 +347,7 @@ class TrainContext:
             time.sleep(self.faults.slow_extra_s)  # an injected straggler
         for i, micro in enumerate(loaded):
             batch = MicroBatch(
-                data=_to_device(micro.data, self.device),
+                data=to_device(micro.data, self.device),
                 indices=micro.indices,
                 weight=data_math.gradient_weight(micro.samples, step.world_size, step.samples),
                 on_sync=(lambda: self._enter_sync(step)) if i == len(loaded) - 1 else None,
@@ -768,18 +646,6 @@ def _allreduce_hook(ctx, bucket):
     future = ctx.techniques.codec.all_reduce(bucket, ctx._gradient_all_reduce.all_reduce)
     ctx._launched += 1
     return future
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
 
 
 def _set_current(ctx: TrainContext | None) -> None:

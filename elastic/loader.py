@@ -133,7 +133,7 @@ class Loader:
 
     def _fetch(self, ids: torch.Tensor) -> Any:
         batch = data_math.fetch(self.dataset, ids)
-        return _pinned(batch) if self._pin else batch
+        return map_tensors(batch, torch.Tensor.pin_memory) if self._pin else batch
 
     def _order(self, epoch: int) -> data_math.EpochOrder:
         # Prefetch threads may ask for the next epoch while the train thread is in this one.
@@ -149,11 +149,21 @@ class Loader:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _pinned(batch: Any) -> Any:
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`batch` with `fn` applied to every tensor in it (through dicts, lists, tuples and named tuples)."""
     if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
+        return fn(batch)
     if isinstance(batch, dict):
-        return {k: _pinned(v) for k, v in batch.items()}
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(map_tensors(v, fn) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_pinned(v) for v in batch)
+        return type(batch)(map_tensors(v, fn) for v in batch)
     return batch
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """`batch` on `device`; from pinned memory the copies overlap with compute."""
+    if device.type == "cpu":
+        return batch
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))

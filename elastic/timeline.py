@@ -2,6 +2,7 @@
 
     elastic plot demo -o timeline.png          # or, from Python:
     draw_timeline(open_run("./runs", "demo").events, "timeline.png", name="demo")
+    elastic plot demo --compare demo-bf16 demo-diloco    # loss over steps, one line per run
 
 Three panels share the time axis (seconds since the run started): the world size as a step
 plot, shaded where the controller was not training (waiting or reconfiguring), then samples/s
@@ -213,6 +214,53 @@ def draw_timeline(events: list[dict[str, Any]], path: str, name: str = "", all_a
     figure.suptitle(title)
     figure.savefig(path, format="png", dpi=110)
     return Timeline(path, marks, [h.get_label() for h in handles], title)
+
+
+def loss_by_step(events: list[dict[str, Any]]) -> tuple[list[int], list[float]]:
+    """(committed step, loss) of each `metrics` event of the latest attempt that has a loss."""
+    steps, losses = [], []
+    for event in latest_attempt(events):
+        loss = event.get("metrics", {}).get("loss") if event["type"] == "metrics" else None
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            steps.append(int(event["step"]))
+            losses.append(float(loss))
+    return steps, losses
+
+
+def strategy_label(events: list[dict[str, Any]]) -> str:
+    """The non-default techniques the latest attempt ran with, e.g. "precision=bf16, zero=1"."""
+    started = [e for e in latest_attempt(events) if e["type"] == "run_started"]
+    strategy = started[0].get("strategy", {}) if started else {}
+    defaults = {"precision": "fp32", "compression": "none", "zero": 0, "sync": "ddp"}
+    chosen = [f"{k}={v}" for k, v in strategy.items() if k in defaults and v != defaults[k]]
+    return ", ".join(chosen) or "fp32 DDP"
+
+
+def draw_comparison(runs: dict[str, list[dict[str, Any]]], path: str) -> dict[str, float]:
+    """Draw each run's loss over its committed steps into one PNG; returns each run's last loss.
+
+    `runs` maps a run name to its events; the first run is drawn on top, as the reference."""
+    Figure, FigureCanvasAgg, _, _ = _matplotlib()
+    series = {name: loss_by_step(events) for name, events in runs.items()}
+    empty = [name for name, (steps, _) in series.items() if not steps]
+    if empty:
+        raise ElasticError(f"runs {empty} reported no loss; elastic.report({{'loss': ...}}) from the train loop "
+                           "draws it")
+    figure = Figure(figsize=(10, 5.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    ax = figure.subplots()
+    for order, (name, (steps, losses)) in enumerate(reversed(series.items())):
+        reference = order == len(series) - 1
+        ax.plot(steps, losses, linewidth=2.4 if reference else 1.3, color="black" if reference else None,
+                label=f"{name} ({strategy_label(runs[name])})", zorder=3 if reference else 2)
+    ax.set_xlabel("committed step")
+    ax.set_ylabel("loss")
+    ax.grid(True, alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], loc="upper right", fontsize=9)
+    figure.suptitle(f"loss of {len(series)} runs against {next(iter(series))}")
+    figure.savefig(path, format="png", dpi=110)
+    return {name: losses[-1] for name, (_, losses) in series.items()}
 
 
 def _matplotlib():

@@ -16,7 +16,8 @@ import torch
 import elastic
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, RunConfig, ScalingConfig
 from elastic.checkpoint import Checkpoint, checkpoint_storage, verify
-from elastic.context import Step, TrainContext
+from elastic.context import TrainContext
+from elastic.step import Step
 from elastic.data import DataCursor
 from elastic.errors import ElasticError, ReportedCheckpointError, TrainingFailedError
 from elastic.mailbox import GenerationMailbox

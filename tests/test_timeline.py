@@ -9,7 +9,15 @@ import pytest
 from elastic import cli
 from elastic.events import make_event
 from elastic.run_view import open_run
-from elastic.timeline import MARKS, PlotUnavailableError, collect_marks, draw_timeline, world_size_series
+from elastic.timeline import (
+    MARKS,
+    PlotUnavailableError,
+    collect_marks,
+    draw_timeline,
+    loss_by_step,
+    strategy_label,
+    world_size_series,
+)
 from test_cli_inspect import T0, healed_run_events, write_journal
 
 pytestmark = pytest.mark.timeout(60)
@@ -134,3 +142,38 @@ def test_without_matplotlib_the_error_says_how_to_install_it(run, tmp_path, monk
     assert code == 1 and err.count("\n") == 1
     assert "elastic plot: drawing a timeline needs matplotlib" in err
     assert not (tmp_path / "x.png").exists()
+
+
+def _trained(name, losses, strategy=None):
+    started = dict(name=name, attempt="a", data={"max_steps": 10 * len(losses)})
+    if strategy is not None:
+        started["strategy"] = strategy
+    events = [make_event("run_started", time=T0, **started)]
+    events += [make_event("metrics", time=T0 + i + 1, world_size=2, step=10 * (i + 1), samples_per_s=1.0,
+                          metrics={"step": 10 * (i + 1), "loss": loss}) for i, loss in enumerate(losses)]
+    return events
+
+
+def test_compare_draws_each_runs_loss_over_its_steps_and_names_its_techniques(tmp_path, capsys):
+    assert loss_by_step(_trained("a", [3.0, 2.0, 1.5])) == ([10, 20, 30], [3.0, 2.0, 1.5])
+    assert strategy_label(_trained("a", [1.0], {"precision": "bf16", "compression": "none", "zero": 1,
+                                                 "sync": "ddp"})) == "precision=bf16, zero=1"
+    assert strategy_label(_trained("a", [1.0])) == "fp32 DDP"
+    write_journal(tmp_path, "fp32", _trained("fp32", [3.0, 2.0, 1.5]))
+    write_journal(tmp_path, "bf16", _trained("bf16", [3.1, 2.1, 1.6], {"precision": "bf16"}))
+    output = tmp_path / "compare.png"
+
+    code = cli.main(["plot", "fp32", "--storage-path", str(tmp_path), "--compare", "bf16", "-o", str(output)])
+
+    assert code == 0 and png_size(output)
+    assert capsys.readouterr().out == f"wrote {output}; last loss: fp32 1.5000, bf16 1.6000\n"
+
+
+def test_compare_refuses_a_run_that_reported_no_loss(tmp_path, capsys):
+    write_journal(tmp_path, "fp32", _trained("fp32", [3.0]))
+    write_journal(tmp_path, "silent", _trained("silent", []))
+
+    code = cli.main(["plot", "fp32", "--storage-path", str(tmp_path), "--compare", "silent"])
+
+    assert code == 1
+    assert "runs ['silent'] reported no loss; elastic.report({'loss': ...})" in capsys.readouterr().err
