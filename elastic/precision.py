@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from typing import Any, Callable, Iterator
 
 import torch
@@ -63,18 +64,19 @@ class Precision:
         own_step = optimizer.step
 
         @functools.wraps(own_step)
-        def step(*args: Any, **kwargs: Any) -> Any:
+        def step(bound: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             if self._stepping:
                 return own_step(*args, **kwargs)
             self._stepping = True
             try:
-                value = self.scaler.step(optimizer, *args, **kwargs)
+                value = self.scaler.step(bound, *args, **kwargs)
                 self.scaler.update()
                 return value
             finally:
                 self._stepping = False
 
-        optimizer.step = step
+        # A bound method, as the optimizer's own: LR schedulers wrap `optimizer.step.__func__`.
+        optimizer.step = types.MethodType(step, optimizer)
 
 
 def _to_fp32(value: Any) -> Any:

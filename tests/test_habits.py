@@ -253,3 +253,19 @@ def test_a_ray_train_checkpoint_is_reported_as_the_directory_it_names(tmp_path):
     train = pytest.importorskip("ray.train", reason="ray[train] is not installed")
     (tmp_path / "model.pt").write_bytes(b"weights")
     assert files_to_store(train.Checkpoint.from_directory(str(tmp_path)), 0, SCHEDULED) == {"model.pt": b"weights"}
+
+
+def test_an_lr_scheduler_wraps_the_fp16_prepared_optimizer_and_steps_it():
+    # LR schedulers patch `optimizer.step.__func__`: fp16's loss-scaling step must stay a bound method.
+    from elastic.precision import Precision
+
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision = Precision("fp16", torch.device("cpu"))
+    precision.wrap_step(optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    before = model.weight.detach().clone()
+    precision.backward(model(torch.randn(8, 4)).pow(2).mean())
+    optimizer.step()
+    scheduler.step()
+    assert not torch.equal(before, model.weight) and optimizer.param_groups[0]["lr"] == 0.05
