@@ -142,7 +142,8 @@ class Controller:
         timings = {k: outcome[k] for k in ("leave_s", "barrier_s", "connect_s", "sync_s") if k in outcome}
         self.inbox.put_nowait(signals.FormedReport(
             worker_id, generation, outcome["ok"], outcome.get("step", 0), outcome.get("source_rank", 0),
-            outcome.get("steps_lost", 0), outcome.get("error", ""), timings))
+            outcome.get("steps_lost", 0), outcome.get("error", ""), timings, outcome.get("state_lost", False),
+            checkpointed=self.latest_checkpoint is not None))
 
     async def ingest(self, worker_id: int, items: list[dict[str, Any]]) -> None:
         self.progress.ingest(worker_id, items)

@@ -247,6 +247,11 @@ class Strategy(_Frozen):
         0, description="1: ZeRO stage 1, the optimizer state sharded across ranks (each shard also kept by the "
         "next rank), resharded point to point at every heal and grow."
     )
+    zero_replicas: Literal[0, 1] = Field(
+        1, description="Copies of each ZeRO shard kept by the next ranks (buddies): 1 survives any single death in "
+        "place; 0 saves that memory (8 bytes per parameter / N with Adam) and restarts the run from its latest "
+        "checkpoint when a rank dies."
+    )
     sync: str = Field(
         "ddp", description="'ddp': all-reduce gradients every step. 'local_sgd:every=H': average parameters "
         "every H steps. 'diloco:every=H,outer_lr=0.7,outer_momentum=0.9': every H steps an outer Nesterov SGD "
@@ -274,6 +279,9 @@ class Strategy(_Frozen):
         if self.zero and kind != "ddp":
             raise ValueError(f"zero=1 shards the state of an optimizer that steps on all-reduced gradients; "
                              f"sync={self.sync!r} steps each rank alone: use one or the other")
+        if self.zero_replicas == 0 and not self.zero:
+            raise ValueError("zero_replicas=0 drops the buddy copies of ZeRO's shards, which exist only with "
+                             "zero=1; set zero=1 or leave zero_replicas at 1")
         if self.zero and self.precision == "fp16":
             raise ValueError("zero=1 with precision='fp16' is not built yet: the GradScaler would have to "
                              "unscale before the sharded step; use precision='bf16' or zero=0")
@@ -344,6 +352,9 @@ def _parse_options(field: str, text: str, kinds: dict[str, dict[str, type]], usa
 
 def check_strategy_fits(strategy: Strategy, checkpoint: CheckpointConfig) -> None:
     """Checks between the strategy and the checkpoint schedule; raises ValueError."""
+    if strategy.zero and strategy.zero_replicas == 0 and not checkpoint.enabled:
+        raise ValueError("Strategy(zero=1, zero_replicas=0) restarts the run from its latest checkpoint when a rank "
+                         "dies, and this run writes none: set CheckpointConfig(every_steps=N), or keep zero_replicas=1")
     every = strategy.sync_options.get("every")
     if every and checkpoint.every_steps and checkpoint.every_steps % every:
         raise ValueError(f"CheckpointConfig(every_steps={checkpoint.every_steps}) is not a multiple of the "

@@ -37,7 +37,7 @@ from elastic import reported
 from elastic.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, take_snapshot
 from elastic.collectives import Collectives
 from elastic.config import CheckpointConfig, DataConfig, Strategy
-from elastic.errors import ElasticError, UnweightedBackwardError, WorkerEvictedError
+from elastic.errors import ElasticError, StateLostError, UnweightedBackwardError, WorkerEvictedError
 from elastic.faults import Fault
 from elastic.injection import FaultInjector
 from elastic.group import (
@@ -464,10 +464,12 @@ class TrainContext:
             except WorkerEvictedError:
                 raise
             except Exception as exc:
-                self.mailbox.formed(spec.generation, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-                if not is_peer_failure(exc):
+                lost = isinstance(exc, StateLostError)
+                self.mailbox.formed(spec.generation, {"ok": False, "state_lost": lost,
+                                                      "error": f"{type(exc).__name__}: {exc}"})
+                if not (lost or is_peer_failure(exc)):
                     raise
-                continue
+                continue  # the controller offers another generation: a restart, if state was lost
             if timings is None:
                 continue  # aborted: a member died or left before everyone arrived
             self.mailbox.formed(spec.generation, {

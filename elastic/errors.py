@@ -33,6 +33,11 @@ class WorkerEvictedError(ElasticError):
     """The controller removed this worker from the run; its train loop stops."""
 
 
+class StateLostError(ElasticError):
+    """No live process holds a piece of the run's state (a ZeRO shard whose owner and buddies
+    died); the controller restarts the run from its latest complete checkpoint."""
+
+
 class UnweightedBackwardError(ElasticError):
     """A micro-batch was backpropagated without `mb.backward(loss)`, so its gradient lacks its weight."""
 

@@ -184,6 +184,22 @@ class Protocol:
         state = self.state
         if not isinstance(state, Forming) or state.formation.generation != obs.generation:
             return []
+        if not obs.ok and obs.state_lost:
+            # No worker's state can be used: the next formation restarts from the latest
+            # checkpoint. A death is not a failure, so this is not counted as one.
+            if not obs.checkpointed:
+                message = (f"generation {obs.generation} lost part of the run's state ({obs.error}) and there is no "
+                           "complete checkpoint to restart from; with Strategy(zero_replicas=0) checkpoint often "
+                           "(CheckpointConfig(every_steps=N)), or keep zero_replicas=1")
+                return self._enter(Failed(message, "state_lost"), "state lost, no checkpoint")
+            for record in self.workers.values():
+                record.holds_state = False
+            reason = (f"generation {obs.generation} lost part of the run's state on worker {obs.worker_id} "
+                      f"({obs.error}); restarting from the latest complete checkpoint")
+            actions = [self._decision("RESTART", reason), *self._abort_formation(now)]
+            self.broken = True
+            self.failure_at = self.failure_at or now
+            return actions + self._reconcile(now)
         if not obs.ok:
             self.failed_formations += 1
             reason = f"generation {obs.generation} did not form on worker {obs.worker_id}: {obs.error}"

@@ -69,6 +69,8 @@ class FormedReport:
     steps_lost: int = 0
     error: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    state_lost: bool = False  # the run's live state is gone (a ZeRO shard without a holder)
+    checkpointed: bool = False  # a complete checkpoint exists to restart from (the controller's knowledge)
 
 
 @dataclass(frozen=True)

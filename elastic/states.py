@@ -79,7 +79,7 @@ class Finished:
 @dataclass(frozen=True)
 class Failed:
     error: str
-    kind: str = "error"  # "app_error", "capacity", "formation", "crash_loop", "all_lost"
+    kind: str = "error"  # "app_error", "capacity", "formation", "crash_loop", "all_lost", "state_lost"
     rank: int | None = None
     traceback: str = ""
     name: str = field(default="FAILED", init=False)

@@ -73,7 +73,7 @@ class Techniques:
         """The optimizer the train loop steps: under ZeRO a `ShardedOptimizer` around `optimizer`,
         whose state is sharded rather than registered."""
         if self.strategy.zero:
-            optimizer = self.zero = ShardedOptimizer(optimizer)
+            optimizer = self.zero = ShardedOptimizer(optimizer, replicas=self.strategy.zero_replicas)
         else:
             objects["optimizer"] = optimizer
         if self.precision.scaler is not None:

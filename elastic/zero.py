@@ -65,14 +65,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.errors import ElasticError
+from elastic.errors import ElasticError, StateLostError
 from elastic.group import is_peer_failure
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; pyproject allows torch 2.4.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class ShardLostError(ElasticError):
+class ShardLostError(StateLostError):
     """No live process holds a piece of the sharded optimizer state; restart from a checkpoint."""
 
     def __init__(self, message: str, lost_ranks: Sequence[int] = ()) -> None:

@@ -320,3 +320,15 @@ def test_a_checkpoint_schedule_off_the_local_sgd_interval_is_rejected_with_one_t
                                             checkpoint_config=CheckpointConfig(every_steps=12)),
                        data_config=DataConfig(global_batch_size=8, micro_batch_size=8, max_steps=24),
                        strategy=Strategy(sync="local_sgd:every=8"))
+
+
+def test_zero_without_buddy_copies_needs_zero_and_a_checkpoint_schedule_to_restart_from(tmp_path):
+    with pytest.raises(ValidationError, match=r"zero_replicas=0 drops the buddy copies of ZeRO's shards, which exist "
+                       r"only with zero=1"):
+        Strategy(zero_replicas=0)
+    with pytest.raises(ValueError, match=r"Strategy\(zero=1, zero_replicas=0\) restarts the run from its latest "
+                       r"checkpoint when a rank dies, and this run writes none: set CheckpointConfig\(every_steps=N\)"):
+        ElasticTrainer(lambda: None, scaling_config=ScalingConfig(),
+                       run_config=RunConfig(name="x", storage_path=str(tmp_path)),
+                       data_config=DataConfig(global_batch_size=8, micro_batch_size=8, max_steps=24),
+                       strategy=Strategy(zero=1, zero_replicas=0))

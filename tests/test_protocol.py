@@ -372,6 +372,33 @@ def test_a_generation_that_fails_to_form_is_offered_again_and_the_run_fails_past
     assert any(d["action"] == "REFORM" for d in group.events("decision"))
 
 
+def test_a_formation_that_lost_part_of_the_state_restarts_from_the_checkpoint_without_counting_a_failure():
+    group = FakeWorkerGroup(min_workers=1)
+    group.start_run(0, 1, 2)
+    group.die(2)
+    healing = group.latest_offer.formation.generation
+    assert not group.latest_offer.restart
+    group.send(FormedReport(0, healing, ok=False, state_lost=True, checkpointed=True,
+                            error="ShardLostError: old rank 2's shard is lost"))
+    assert group.aborted == [healing]
+    restart = group.latest_offer
+    assert restart.formation.generation == healing + 1 and restart.restart and restart.formation.members == (0, 1)
+    assert [d["action"] for d in group.events("decision")][-1] == "RESTART"
+    assert group.protocol.failures == 0
+    group.form()
+    assert group.state == "RUNNING"
+
+
+def test_state_lost_without_a_checkpoint_to_restart_from_fails_the_run_saying_so():
+    group = FakeWorkerGroup(min_workers=1)
+    group.start_run(0, 1, 2)
+    group.die(2)
+    group.send(FormedReport(0, group.latest_offer.formation.generation, ok=False, state_lost=True,
+                            error="ShardLostError: lost"))
+    assert group.state == "FAILED" and group.protocol.state.kind == "state_lost"
+    assert "no complete checkpoint to restart from" in group.protocol.state.error
+
+
 # --- hangs ------------------------------------------------------------------------------------------
 def test_a_stall_past_the_deadline_polls_the_members_and_kills_the_one_behind():
     group = FakeWorkerGroup()

@@ -18,13 +18,14 @@ pytestmark = pytest.mark.timeout(240)
 MAX_STEPS = 24
 
 
-def _trainer(tmp_path, name, scaling, strategy=Strategy(), faults=(), max_steps=MAX_STEPS, **loop_config):
+def _trainer(tmp_path, name, scaling, strategy=Strategy(), faults=(), max_steps=MAX_STEPS,
+             checkpoint=CheckpointConfig(), **loop_config):
     """A run of `regression_loop`."""
     return ElasticTrainer(
         regression_loop,
         train_loop_config={"max_steps": max_steps, **loop_config},
         scaling_config=scaling,
-        run_config=RunConfig(name=name, storage_path=str(tmp_path)),
+        run_config=RunConfig(name=name, storage_path=str(tmp_path), checkpoint_config=checkpoint),
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=max_steps),
         strategy=strategy,
         faults=list(faults),
@@ -201,6 +202,22 @@ def test_zero_1_equals_ddp_through_a_grow_and_a_kill_with_the_dead_ranks_shard_f
     kinds = [(e["kind"], e["world_size"]) for e in result.events_of("generation_formed")]
     assert kinds[:3] == [("start", 2), ("grow", 3), ("heal", 2)], kinds
     assert _max_diff(result.value["params"], ddp_reference["adamw"]["params"]) < 1e-9
+
+
+def test_zero_without_buddy_copies_restarts_a_death_from_the_latest_checkpoint_exactly(local_ray, tmp_path,
+                                                                                      ddp_reference):
+    # zero_replicas=0: rank 1's shard dies with it, so the survivor cannot heal in place; the
+    # run restarts from the checkpoint at step 8 and replays, still equal to DDP.
+    result = _fit(tmp_path, "zero-r0", ScalingConfig(min_workers=1, max_workers=2), Strategy(zero=1, zero_replicas=0),
+                  faults=[Fault(kind="kill", rank=1, step=12)], optimizer="adamw",
+                  checkpoint=CheckpointConfig(every_steps=8))
+    [restart] = [d for d in result.events_of("decision") if d["action"] == "RESTART"]
+    assert "lost part of the run's state" in restart["reason"] and "ShardLostError" in restart["reason"]
+    [recovery] = result.events_of("recovery")
+    assert recovery["from_checkpoint"]
+    assert [e["step"] for e in result.events_of("generation_formed") if e["kind"] == "restart"] == [8]
+    assert _max_diff(result.value["params"], ddp_reference["adamw"]["params"]) < 1e-9
+    _assert_exactly_once(result.value["ledger"], MAX_STEPS)
 
 
 def test_a_zero_checkpoint_written_by_3_ranks_resumes_at_2_exactly(local_ray, tmp_path, ddp_reference):
