@@ -147,7 +147,7 @@ class Controller:
 
     async def ingest(self, worker_id: int, items: list[dict[str, Any]]) -> None:
         self.progress.ingest(worker_id, items)
-        self.protocol.note_step(self.progress.step)
+        self.protocol.note_step(self.progress.reported_step)
 
     async def latest_checkpoint_of_run(self) -> Checkpoint | None:
         """The newest complete checkpoint: the one a restart resumes from (elastic.get_checkpoint)."""
@@ -291,7 +291,8 @@ class Controller:
                 if straggler:
                     for times in self.progress.compute.values():
                         times.clear()  # judge the next generation on its own steps
-            self.inbox.put_nowait(signals.Tick(self.progress.step, self.progress.last_step_time, deadline, straggler))
+            self.inbox.put_nowait(signals.Tick(self.progress.reported_step, self.progress.last_step_time, deadline,
+                                               straggler))
             self.metrics.update(self.progress.step_times, len(self.protocol.members), self.progress.samples_per_s(),
                                 self.progress.step, self._goodput())
             sample = self.progress.sample()

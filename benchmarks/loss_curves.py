@@ -12,8 +12,9 @@ same seed and data order. It draws every run's loss over its committed steps wit
 benchmarks/results/bench.json (or --out):
 
 - techniques.lm_final_loss_ratio_vs_fp32.<variant>: the mean of the run's last LAST_LOSSES
-  reported losses over fp32 DDP's. One round: the runs are deterministic in their math; what
-  varies between rounds is only where the heal and the grow land.
+  reported losses over fp32 DDP's. The journal samples the loss about every 2 s, one step's
+  loss on rank 0's share each, so the samples fall on different steps for each variant: the
+  ratios carry a few percent of that noise. One round; the tests hold the exact equivalences.
 """
 
 from __future__ import annotations

@@ -310,14 +310,15 @@ class CheckpointWriter:
 
     def submit(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
                user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool = False,
-               optimizer_shard: dict[str, Any] | None = None, reported_files: dict[str, bytes] | None = None) -> None:
+               optimizer_shard: dict[str, Any] | None = None, reported_files: dict[str, bytes] | None = None,
+               generation: int = 0) -> None:
         """Write this rank's shard (and `optimizer_shard`, its part of a ZeRO optimizer's state, a
         copy; on rank 0 the user's files and the `reported_files` of elastic.report) in the background."""
         self.wait()
         self._thread = threading.Thread(
             target=self._write,
             args=(snapshot, rank, world_size, stall_s, dict(user_files), dict(metadata), crash_midway,
-                  optimizer_shard, dict(reported_files or {})),
+                  optimizer_shard, dict(reported_files or {}), generation),
             daemon=True, name="elastic-checkpoint",
         )
         self._thread.start()
@@ -329,11 +330,12 @@ class CheckpointWriter:
 
     def _write(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
                user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool,
-               optimizer_shard: dict[str, Any] | None, reported_files: dict[str, bytes]) -> None:
+               optimizer_shard: dict[str, Any] | None, reported_files: dict[str, bytes], generation: int) -> None:
         started = time.perf_counter()
         folder = checkpoint_storage(self.run, snapshot.step)
         report: dict[str, Any] = {"step": snapshot.step, "rank": rank, "world_size": world_size,
-                                  "progress": snapshot.progress, "stall_s": stall_s, "files": []}
+                                  "generation": generation, "progress": snapshot.progress, "stall_s": stall_s,
+                                  "files": []}
         try:
             self.run.fs.create_dir(folder.root, recursive=True)
             chunks = shard_chunks(snapshot, rank, world_size)

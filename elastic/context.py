@@ -442,7 +442,8 @@ class TrainContext:
         self._wait_for_writer()  # one upload at a time: back-pressure, reported as progress
         self._writer.submit(snapshot, self.rank, self.world_size, time.perf_counter() - started,
                             self._checkpoint_files, self._checkpoint_metadata, crash_midway=crash,
-                            optimizer_shard=optimizer_shard, reported_files=self._reported_files)
+                            optimizer_shard=optimizer_shard, reported_files=self._reported_files,
+                            generation=self.generation)
         self._last_checkpoint = time.monotonic()
 
     def _join(self, reason: str, lost: int = 0) -> None:
@@ -464,10 +465,10 @@ class TrainContext:
             except WorkerEvictedError:
                 raise
             except Exception as exc:
-                lost = isinstance(exc, StateLostError)
-                self.mailbox.formed(spec.generation, {"ok": False, "state_lost": lost,
+                state_lost = isinstance(exc, StateLostError)
+                self.mailbox.formed(spec.generation, {"ok": False, "state_lost": state_lost,
                                                       "error": f"{type(exc).__name__}: {exc}"})
-                if not (lost or is_peer_failure(exc)):
+                if not (state_lost or is_peer_failure(exc)):
                     raise
                 continue  # the controller offers another generation: a restart, if state was lost
             if timings is None:

@@ -159,5 +159,5 @@ def fetch(dataset: Any, indices: torch.Tensor) -> Any:
     if hasattr(dataset, "__getitems__"):
         # torch's protocol returns a list of samples for the collate function; ours, collated already.
         items = dataset.__getitems__(indices.tolist())
-        return default_collate(items) if isinstance(items, list) else items
+        return default_collate(items) if isinstance(items, list) and len(items) == len(indices) else items
     return default_collate([dataset[i] for i in indices.tolist()])

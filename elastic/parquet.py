@@ -20,6 +20,10 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import torch
 
+# Rows kept decoded when no loader sized the cache (a dataset read directly, e.g. for an evaluation).
+DEFAULT_CACHE_ROWS = 2 * 262_144
+
+
 class ParquetDataset:
     """Samples of Parquet files: numeric columns become 1-d tensors, list columns whose rows
     all have one length (e.g. token windows) 2-d tensors. `source` is a folder, a file or a
@@ -47,7 +51,8 @@ class ParquetDataset:
         self.block_sizes = [group.row_groups[0].num_rows for group in self._row_groups]
         sizes = numpy.asarray(self.block_sizes, dtype=numpy.int64)
         self._first_ids = numpy.cumsum(sizes) - sizes
-        self.cache_rows = cache_rows  # None: the loader sets it from DataConfig.shuffle_window
+        # None: the loader sizes it from DataConfig.shuffle_window; read without one, the default.
+        self.cache_rows = cache_rows
         self._cache: OrderedDict[int, dict[str, numpy.ndarray]] = OrderedDict()
         self._lock = threading.Lock()
         self._reading: dict[int, threading.Event] = {}  # row groups being read, by block
@@ -117,7 +122,8 @@ class ParquetDataset:
                 self.row_groups_read += len(blocks)
                 self._cache.update(read)
                 held = sum(self.block_sizes[b] for b in self._cache)
-                while self.cache_rows is not None and held > self.cache_rows and len(self._cache) > 1:
+                limit = self.cache_rows if self.cache_rows is not None else DEFAULT_CACHE_ROWS
+                while held > limit and len(self._cache) > 1:
                     held -= self.block_sizes[self._cache.popitem(last=False)[0]]
             return read
         finally:
@@ -163,8 +169,9 @@ def _check_column(name: str, schema: pa.Schema) -> None:
 
 def _column_array(name: str, column: pa.ChunkedArray) -> numpy.ndarray:
     array = column.combine_chunks()
-    if array.null_count:
-        raise ValueError(f"ParquetDataset: column {name!r} has {array.null_count} nulls in a row group; "
+    nulls = array.null_count + (array.flatten().null_count if _is_list(array.type) else 0)
+    if nulls:
+        raise ValueError(f"ParquetDataset: column {name!r} has {nulls} nulls in a row group; "
                          "fill them in the files, or pass columns=[...] without it")
     if _is_list(array.type):
         lengths = pc.list_value_length(array)

@@ -22,6 +22,9 @@ class ProgressTracker:
         self.max_steps = max_steps
         self.step = 0
         self.noted_step = 0
+        # The newest step report's step: unlike `step`, it goes back when a restart replays
+        # from a checkpoint, so the replayed steps count as the run making progress.
+        self.reported_step = 0
         self.productive_s = 0.0
         self.last_metrics: dict[str, Any] = {}
         self._metrics_key = (-1, 0)
@@ -41,6 +44,7 @@ class ProgressTracker:
                     recent[item["step"]] = item["compute_s"]
                     for old in sorted(recent)[:-COMPUTE_HISTORY]:
                         del recent[old]
+                self.reported_step = item["step"] + 1
                 # Every rank reports the same committed step; count it once, from the first report.
                 if item["step"] + 1 > self.step:
                     self.step = item["step"] + 1

@@ -353,6 +353,9 @@ class Protocol:
                 "world_size": len(formation.members), "from_checkpoint": formation.reason == Reason.RESTART,
             }))
         self.failure_at = None  # a grow that commits after a break took the broken members in too
+        if formation.reason == Reason.RESTART:
+            # Back at a checkpoint: the steps it replays are progress again, for the crash-loop bound.
+            self.committed_step = self.committed_at_step = first.step
         return actions + self._enter(Running(formation.generation), formation.detail) + self._reconcile(now)
 
     def _lose(self, worker_id: int, now: float) -> list[Action]:

@@ -19,20 +19,26 @@ from elastic.storage import RunStorage
 
 
 class ShardCollector:
+    """The shards reported for each checkpoint, keyed by the generation that took it: after a
+    restart replays a step, a snapshot of that step by another generation is another
+    checkpoint, never completed by the shards the old one left behind."""
+
     def __init__(self, storage: RunStorage, keep_last: int) -> None:
         self.storage = storage
         self.keep_last = keep_last
-        self._shards: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        self._shards: dict[tuple[int, int, int], dict[int, dict[str, Any]]] = {}
 
     def add(self, report: dict[str, Any]) -> tuple[Checkpoint, dict[str, Any]] | None:
         """Record one rank's written shard; with the last one, the completed checkpoint and
         the fields of its `checkpoint_saved` event."""
         step, world_size = report["step"], report["world_size"]
-        shards = self._shards.setdefault((step, world_size), [])
-        shards.append(report)
-        if len(shards) < world_size:
+        key = (step, world_size, report.get("generation", 0))
+        by_rank = self._shards.setdefault(key, {})
+        by_rank[report["rank"]] = report
+        if len(by_rank) < world_size:
             return None
-        del self._shards[(step, world_size)]
+        del self._shards[key]
+        shards = [by_rank[rank] for rank in range(world_size)]
         files = [f for r in shards for f in r["files"]]
         metadata = next(r["metadata"] for r in shards if r["rank"] == 0)
         manifest = write_manifest(self.storage, shards[0]["progress"], world_size, files, metadata)

@@ -58,6 +58,8 @@ def mark_kind(event: dict[str, Any]) -> str | None:
     if kind == "controller_restarted":
         return "restart"
     if kind == "generation_formed":
+        if event.get("kind") == "restart":
+            return "restart"  # from storage: every worker lost, or the live state lost
         reason = event.get("reason", "")
         if reason.startswith("heal"):
             return "heal"

@@ -184,16 +184,19 @@ def test_parquet_files_with_different_integer_widths_are_read_with_one_schema(tm
 
 
 def test_parquet_columns_that_are_not_tensors_are_refused_with_their_name(tmp_path):
-    table = pa.table({"x": [1.0, 2.0], "text": ["a", "b"], "ragged": [[1], [2, 3]], "gaps": [1, None]})
+    table = pa.table({"x": [1.0, 2.0], "text": ["a", "b"], "ragged": [[1], [2, 3]], "gaps": [1, None],
+                      "inner_gaps": [[1, None], [2, 3]]})
     pq.write_table(table, tmp_path / "part-0.parquet")
     with pytest.raises(ValueError, match=r"column 'text' is string, which is not a tensor.*columns=\[\.\.\.\]"):
         ParquetDataset(str(tmp_path))
-    with pytest.raises(ValueError, match=r"no column 'y'; the files have \['x', 'text', 'ragged', 'gaps'\]"):
+    with pytest.raises(ValueError, match=r"no column 'y'; the files have \['x', 'text', 'ragged', 'gaps', 'inner_gaps'\]"):
         ParquetDataset(str(tmp_path), columns=["y"])
     with pytest.raises(ValueError, match=r"column 'ragged' has rows of 1 to 2 values.*one length"):
         fetch(ParquetDataset(str(tmp_path), columns=["ragged"]), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match=r"column 'gaps' has 1 nulls"):
         fetch(ParquetDataset(str(tmp_path), columns=["gaps"]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"column 'inner_gaps' has 1 nulls"):
+        fetch(ParquetDataset(str(tmp_path), columns=["inner_gaps"]), torch.tensor([0, 1]))
 
 
 def test_a_cursor_beyond_the_datasets_end_is_refused_rather_than_weighted_negatively():

@@ -385,8 +385,15 @@ def test_a_formation_that_lost_part_of_the_state_restarts_from_the_checkpoint_wi
     assert restart.formation.generation == healing + 1 and restart.restart and restart.formation.members == (0, 1)
     assert [d["action"] for d in group.events("decision")][-1] == "RESTART"
     assert group.protocol.failures == 0
-    group.form()
+    group.form(step=8)
     assert group.state == "RUNNING"
+    # The replay from step 8 is progress: a step past the checkpoint clears the crash-loop count.
+    before = group.protocol.heals_without_step
+    group.die(1)
+    assert group.protocol.heals_without_step == before + 1
+    group.form(step=8)
+    group.protocol.note_step(9)
+    assert group.protocol.heals_without_step == 0
 
 
 def test_state_lost_without_a_checkpoint_to_restart_from_fails_the_run_saying_so():
