@@ -103,10 +103,17 @@ class DataConfig(_Frozen):
     prefetch_threads: int = Field(
         0, ge=0, description="Threads that read and collate the next steps' micro-batches while this one trains; "
         "0 reads them on the train thread.")
-    prefetch_steps: int = Field(2, gt=0, description="Steps read ahead when prefetch_threads > 0.")
+    prefetch_processes: int = Field(
+        0, ge=0, description="Worker processes that read and collate the next steps' micro-batches, as torch "
+        "DataLoader's num_workers, for datasets whose reads hold the GIL; the dataset must pickle. Exclusive with "
+        "prefetch_threads.")
+    prefetch_steps: int = Field(2, gt=0, description="Steps read ahead when prefetch_threads or prefetch_processes > 0.")
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
+        if self.prefetch_threads and self.prefetch_processes:
+            raise ValueError(f"prefetch_threads({self.prefetch_threads}) and prefetch_processes("
+                             f"{self.prefetch_processes}) are both set; read ahead with one or the other")
         if self.micro_batch_size > self.global_batch_size:
             raise ValueError(
                 f"micro_batch_size({self.micro_batch_size}) > global_batch_size({self.global_batch_size}); "

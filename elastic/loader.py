@@ -1,7 +1,8 @@
 """This rank's micro-batches of a step from a map-style dataset: which samples (from the
 cursor), read and collated, in background threads ahead of the step when
-`DataConfig(prefetch_threads>0)`. `open_loader` picks this or `elastic.stream.StreamLoader`
-(iterable datasets).
+`DataConfig(prefetch_threads>0)`, or in worker processes with `prefetch_processes>0` (as
+torch's DataLoader workers: for datasets whose reads hold the GIL). `open_loader` picks this
+or `elastic.stream.StreamLoader` (iterable datasets).
 
 A prefetched step is keyed by everything that decides its samples: the cursor, the world
 size and the rank. When a heal or a grow changes any of them, the batches prefetched for
@@ -11,11 +12,14 @@ nothing is consumed twice and nothing is skipped.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import multiprocessing
+import pickle
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from ray import cloudpickle
 
 from elastic import data as data_math
 from elastic.config import DataConfig
@@ -80,9 +84,24 @@ class Loader:
             # A step's share spans the row groups of up to two windows: keep them all decoded.
             dataset.cache_rows = 2 * config.shuffle_window + max(self._blocks)
         self._orders: dict[int, data_math.EpochOrder] = {}
-        self._pin = pin_memory and config.prefetch_threads > 0  # on the train thread pinning is one more copy
-        self._pool = (ThreadPoolExecutor(config.prefetch_threads, thread_name_prefix="elastic-prefetch")
-                      if config.prefetch_threads else None)
+        ahead = config.prefetch_threads or config.prefetch_processes
+        self._pin = pin_memory and ahead > 0  # on the train thread pinning is one more copy
+        # With processes, each thread hands its reads to one worker process and waits (GIL free).
+        self._pool = ThreadPoolExecutor(ahead, thread_name_prefix="elastic-prefetch") if ahead else None
+        self._processes = None
+        if config.prefetch_processes:
+            try:
+                # cloudpickle (Ray's): a dataset class defined inside the train loop travels by value.
+                payload = cloudpickle.dumps(dataset)
+            except Exception as exc:
+                raise ElasticError(
+                    f"DataConfig(prefetch_processes={config.prefetch_processes}) sends the dataset to worker "
+                    f"processes, but {type(dataset).__name__} cannot be pickled ({type(exc).__name__}: {exc}); open "
+                    "files and clients inside __getitem__, or use prefetch_threads"
+                ) from exc
+            self._processes = ProcessPoolExecutor(config.prefetch_processes,
+                                                  mp_context=multiprocessing.get_context("spawn"),
+                                                  initializer=_hold_dataset, initargs=(payload,))
         self._ahead: dict[StepKey, Future] = {}
 
     def settle(self, cursor: data_math.DataCursor) -> data_math.DataCursor:
@@ -132,7 +151,10 @@ class Loader:
         return micro_batches_of(ids, lambda a, b: self._fetch(ids[a:b]), self.config.micro_batch_size)
 
     def _fetch(self, ids: torch.Tensor) -> Any:
-        batch = data_math.fetch(self.dataset, ids)
+        if self._processes is not None:
+            batch = self._processes.submit(_fetch_held, ids).result()
+        else:
+            batch = data_math.fetch(self.dataset, ids)
         return map_tensors(batch, torch.Tensor.pin_memory) if self._pin else batch
 
     def _order(self, epoch: int) -> data_math.EpochOrder:
@@ -147,6 +169,21 @@ class Loader:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._processes is not None:
+            self._processes.shutdown(wait=False, cancel_futures=True)
+
+
+_held_dataset: Any = None  # in a prefetch worker process: the dataset it reads
+
+
+def _hold_dataset(payload: bytes) -> None:
+    global _held_dataset
+    torch.set_num_threads(1)  # a reader, not a trainer: leave the cores to the training process
+    _held_dataset = pickle.loads(payload)
+
+
+def _fetch_held(ids: torch.Tensor) -> Any:
+    return data_math.fetch(_held_dataset, ids)
 
 
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -1,5 +1,7 @@
 """The data cursor, the epoch order, the batch split, the gradient weights and the loader:
-pure math and plain threads, no Ray."""
+pure math, plain threads and worker processes, no Ray."""
+
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -225,3 +227,49 @@ def test_a_torch_style_getitems_returning_a_list_of_samples_is_collated():
             return [self[i] for i in indices]
 
     assert fetch(Listing(), torch.tensor([3, 1])).tolist() == [[3.0], [1.0]]
+
+
+class _ReaderPid(torch.utils.data.Dataset):
+    """Samples are their index; each fetch also says which process read it."""
+
+    def __len__(self):
+        return 60
+
+    def __getitem__(self, index):
+        return torch.tensor([float(index)])
+
+    def __getitems__(self, indices):
+        return {"x": torch.tensor(indices, dtype=torch.float64), "pid": torch.full((len(indices),), os.getpid())}
+
+
+def test_prefetch_processes_read_in_other_processes_and_give_the_same_batches():
+    config = dict(global_batch_size=12, micro_batch_size=5, max_steps=10)
+    plain = Loader(_ReaderPid(), DataConfig(**config))
+    ahead = Loader(_ReaderPid(), DataConfig(**config, prefetch_processes=2))
+    cursor, readers = DataCursor(), set()
+    try:
+        for world_size in [2, 2, 3, 3, 1, 2]:
+            for rank in range(world_size):
+                want, got = plain.step(cursor, world_size, rank), ahead.step(cursor, world_size, rank)
+                assert [m.indices.tolist() for m in got] == [m.indices.tolist() for m in want]
+                assert all(torch.equal(g.data["x"], w.data["x"]) for g, w in zip(got, want))
+                readers |= {int(p) for m in got for p in m.data["pid"]}
+            cursor = plain.advance(cursor)
+    finally:
+        ahead.close()
+    assert readers and os.getpid() not in readers, "the reads did not happen in worker processes"
+
+
+def test_prefetch_processes_need_a_dataset_that_pickles_and_exclude_threads():
+    import threading
+
+    class Locked(torch.utils.data.TensorDataset):
+        lock = None
+
+    dataset = Locked(torch.arange(20.0))
+    dataset.lock = threading.Lock()
+    with pytest.raises(ElasticError, match=r"prefetch_processes=1\) sends the dataset to worker processes, but Locked "
+                                           r"cannot be pickled .*use prefetch_threads"):
+        Loader(dataset, DataConfig(global_batch_size=4, micro_batch_size=4, max_steps=1, prefetch_processes=1))
+    with pytest.raises(ValueError, match=r"prefetch_threads\(1\) and prefetch_processes\(2\) are both set"):
+        DataConfig(global_batch_size=4, micro_batch_size=4, max_steps=1, prefetch_threads=1, prefetch_processes=2)

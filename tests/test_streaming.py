@@ -1,5 +1,5 @@
 """Streaming data through heals and grows: a multi-file Parquet data set read row group by row
-group, with prefetch threads, on local storage and on S3 (a moto server), consumed exactly
+group, read ahead by worker processes (local storage) or threads (S3, a moto server), consumed exactly
 once, and ending equal to a fault-free run because the scheduler and the RNG states travel
 too; and an IterableDataset whose position travels as synced state."""
 
@@ -18,7 +18,8 @@ NUM_SAMPLES, GLOBAL_BATCH, EPOCHS = 194, 24, 2
 MAX_STEPS = EPOCHS * 9
 
 
-def _trainer(tmp_path, name, source, workers, faults=(), filesystem=None, prefetch_threads=1, iterable=False):
+def _trainer(tmp_path, name, source, workers, faults=(), filesystem=None, prefetch_threads=1, prefetch_processes=0,
+             iterable=False):
     return ElasticTrainer(
         streaming_loop,
         train_loop_config={"source": source, "filesystem": filesystem, "iterable": iterable, "num_samples": NUM_SAMPLES,
@@ -27,7 +28,8 @@ def _trainer(tmp_path, name, source, workers, faults=(), filesystem=None, prefet
         scaling_config=ScalingConfig(min_workers=workers[0], max_workers=workers[1]),
         run_config=RunConfig(name=name, storage_path=str(tmp_path / "runs")),
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=5, max_steps=MAX_STEPS,
-                               shuffle_window=48, prefetch_threads=prefetch_threads),
+                               shuffle_window=48, prefetch_threads=prefetch_threads,
+                               prefetch_processes=prefetch_processes),
         faults=list(faults),
         show_progress=False,
     )
@@ -54,7 +56,9 @@ def _check(result, reference):
 def test_a_streamed_parquet_run_heals_and_regrows_exactly(reference, tmp_path):
     source, expected = reference
     # Held after step 12 until the replacement started, so it grows back before the end.
-    trainer = _trainer(tmp_path, "local", source, (2, 3), faults=[Fault(kind="kill", rank=1, step=5, where="allreduce")])
+    # Read ahead by a worker process of each Ray worker, as torch DataLoader's num_workers.
+    trainer = _trainer(tmp_path, "local", source, (2, 3), faults=[Fault(kind="kill", rank=1, step=5, where="allreduce")],
+                       prefetch_threads=0, prefetch_processes=1)
     result = fit_held(trainer, workers_started(4))
     assert [e["world_size"] for e in result.events_of("generation_formed")] == [3, 2, 3]
     _check(result, expected)
