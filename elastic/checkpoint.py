@@ -194,13 +194,17 @@ class Checkpoint:
         with tempfile.TemporaryDirectory(prefix="elastic-checkpoint-") as directory:
             yield self.to_directory(directory)
 
-    def load_optimizer_shards(self) -> list[dict[str, Any]]:
-        """Every rank's part of a sharded optimizer state, as `ShardedOptimizer.load_sharded` takes them."""
-        names = [e["name"] for e in self.manifest["files"] if e["name"].startswith(f"{OPTIMIZER_SHARDS}/")]
+    def load_optimizer_shards(self, wanted: Callable[[int, int], bool] | None = None) -> list[dict[str, Any]]:
+        """The parts of a sharded optimizer state, as `ShardedOptimizer.load_sharded` takes them:
+        every rank's, or those of the (rank, world_size) that `wanted` accepts (at least one)."""
+        names = sorted(e["name"] for e in self.manifest["files"] if e["name"].startswith(f"{OPTIMIZER_SHARDS}/"))
         if not names:
             raise CheckpointError(f"checkpoint {self.path} holds no sharded optimizer state: it was written "
                                   "without Strategy(zero=1); resume it with the same strategy")
-        return [torch.load(io.BytesIO(self._read(self._entry(name))), weights_only=True) for name in sorted(names)]
+        if wanted is not None:
+            writers = [tuple(int(n) for n in name.split("/")[-1].removesuffix(".pt").split("-of-")) for name in names]
+            names = [name for name, (rank, size) in zip(names, writers) if wanted(rank, size)] or names[:1]
+        return [torch.load(io.BytesIO(self._read(self._entry(name))), weights_only=True) for name in names]
 
     def load_state(self) -> dict[str, Any]:
         """{"model": ..., "optimizer": ..., <other registered state>..., "progress": {...}}."""

@@ -142,7 +142,7 @@ class Techniques:
         if self.zero is not None:
             self.zero.reshard(held.position, steps=progress["step"])
             if resume_from is not None:
-                self.zero.load_sharded(resume_from.load_optimizer_shards())
+                self.zero.load_sharded(resume_from.load_optimizer_shards(self.zero.wants_piece))
         if self.outer is not None:
             self.backup.take(objects, progress)
 

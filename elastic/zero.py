@@ -389,6 +389,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                    for keeper in buddies_of(layout.rank, layout.world_size, self._replicas)}
         self._install(layout, own, buddies, pieces[0]["scalars"], histories[0][1])
 
+    def wants_piece(self, rank: int, world_size: int) -> bool:
+        """Whether the piece written by `rank` of `world_size` overlaps what this rank holds (its
+        shard and its buddy copies): `load_sharded` needs only those, so a restart reads no more."""
+        layout = self._require_layout()
+        start, stop = shard_range(self._numel, world_size, rank)
+        held = [layout.range()] + [layout.range(k) for k in buddies_of(layout.rank, layout.world_size, self._replicas)]
+        return any(start < b and a < stop for a, b in held)
+
     def state_bytes_per_rank(self) -> StateBytes:
         """Bytes of elementwise optimizer state this rank holds, its own shard and buddy copies apart."""
         own = self._own_state()

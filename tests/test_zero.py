@@ -269,6 +269,9 @@ def _checkpoint_then_resume(process, port, folder, results):
         pair.check()
         results[(1, 0)] = pair.outcome()
     _join(store, 2, process, 2)
+    lean = ShardedOptimizer(OPTIMIZERS["adamw"](copy.deepcopy(pair.model).parameters()), replicas=0)
+    lean.reshard(None)
+    results[("wants", process)] = [lean.wants_piece(rank, 3) for rank in range(3)]
     pair.fresh_optimizer().reshard(None)
     pair.sharded.load_sharded(pieces)
     pair.check()
@@ -290,6 +293,8 @@ def test_a_checkpoint_saved_by_3_ranks_loads_at_1_and_at_2_with_its_buddy_copies
     _assert_equal_to_plain(results[(2, 0)], 2 * STEPS)
     _assert_equal_to_plain(results[(2, 1)], 2 * STEPS)
     _assert_equal_to_plain(results[("after death", 0)], 2 * STEPS + 1)
+    # Without buddies a rank of 2 needs only the pieces of the 3 that overlap its half.
+    assert results[("wants", 0)] == [True, True, False] and results[("wants", 1)] == [False, True, True]
 
 
 def _sent(transfers) -> int:
