@@ -144,18 +144,7 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
     dataset = SlowDataset() if config["slow"] else workload.make_dataset()
     model = ctx.prepare_model(workload.make_model())
     optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=workload.LR))
-    stamps = []
-    for step in ctx.steps(dataset):
-        with step:
-            for mb in step.micro_batches():
-                inputs, labels = mb.data
-                mb.backward(workload.loss_fn(model(inputs), labels))
-            optimizer.step()
-            optimizer.zero_grad()
-        if step.committed:
-            stamps.append(workload.stamp(step.index, ctx.generation, ctx.world_size, time.perf_counter()))
-    gaps = workload.steady_gaps(stamps)
-    return {"step_s": statistics.median(gaps) if gaps else None}
+    return {"step_s": workload.train_elastic(ctx, model, optimizer, dataset)}
 
 
 def step_s(storage: str, steps: int, slow: bool, prefetch_threads: int) -> float | None:

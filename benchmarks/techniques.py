@@ -78,19 +78,9 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         # needs state to shard, so it steps AdamW, and so does its own baseline run.
         inner = torch.optim.AdamW if ctx.strategy.zero else torch.optim.SGD
         optimizer = ctx.prepare_optimizer(inner(model.parameters(), lr=workload.LR))
-    stamps = []
-    for step in ctx.steps(dataset):
-        with step:
-            for mb in step.micro_batches():
-                inputs, labels = mb.data
-                mb.backward(workload.loss_fn(model(inputs), labels))
-            optimizer.step()
-            optimizer.zero_grad()
-        if step.committed:
-            stamps.append(workload.stamp(step.index, ctx.generation, ctx.world_size, time.perf_counter()))
-    gaps = workload.steady_gaps(stamps)
+    step_s = workload.train_elastic(ctx, model, optimizer, dataset)
     state_bytes = (optimizer.state_bytes_per_rank() if ctx.strategy.zero else None)
-    return {"step_s": statistics.median(gaps) if gaps else None,
+    return {"step_s": step_s,
             "sync_bytes_per_step": ctx.communication["sync_bytes"] / max(1, ctx.step),
             "state_bytes": {"own": state_bytes.own, "buddy": state_bytes.buddy} if state_bytes else None,
             "parameters": sum(p.numel() for p in model.parameters())}

@@ -10,6 +10,8 @@ cost per step), so that the systems differ only in what wraps the step.
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -102,6 +104,22 @@ def steady_gaps(stamps: Sequence[dict[str, Any]], warmup: int = WARMUP_STEPS) ->
         if same and after["world_size"] == WORLD_SIZE and since_start >= warmup:
             gaps.append(after["time"] - before["time"])
     return gaps
+
+
+def train_elastic(ctx: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any) -> float | None:
+    """The elastic loop over `ctx.steps(dataset)`; the median steady step time (`steady_gaps`)."""
+    stamps = []
+    for step in ctx.steps(dataset):
+        with step:
+            for mb in step.micro_batches():
+                inputs, labels = mb.data
+                mb.backward(loss_fn(model(inputs), labels))
+            optimizer.step()
+            optimizer.zero_grad()
+        if step.committed:
+            stamps.append(stamp(step.index, ctx.generation, ctx.world_size, time.perf_counter()))
+    gaps = steady_gaps(stamps)
+    return statistics.median(gaps) if gaps else None
 
 
 def stamp(step: int, generation: int, world_size: int, time_s: float) -> dict[str, Any]:

@@ -122,22 +122,32 @@ def test_a_rank_with_nothing_in_the_last_step_joins_it_with_a_pass_that_weighs_n
     assert sum(weights) == 4
 
 
+def _read_alike(plain, ahead, world_sizes, values):
+    """Step both loaders through one step per world size, asserting every rank reads the same
+    samples and `values(data)` from both; yields each world size and what `ahead` read for it."""
+    cursor = DataCursor()
+    try:
+        for world_size in world_sizes:
+            read = []
+            for rank in range(world_size):
+                want, got = plain.step(cursor, world_size, rank), ahead.step(cursor, world_size, rank)
+                assert [m.indices.tolist() for m in got] == [m.indices.tolist() for m in want]
+                assert all(torch.equal(values(g.data), values(w.data)) for g, w in zip(got, want))
+                read += got
+            cursor = plain.advance(cursor)
+            yield world_size, read
+    finally:
+        ahead.close()
+
+
 def test_prefetched_steps_equal_steps_read_in_place_and_a_new_world_size_drops_them():
     dataset = torch.utils.data.TensorDataset(torch.arange(300.0))
     config = dict(global_batch_size=24, micro_batch_size=5, max_steps=30)
     plain = Loader(dataset, DataConfig(**config))
     ahead = Loader(dataset, DataConfig(**config, prefetch_threads=2, prefetch_steps=3))
-    cursor = DataCursor()
-    try:
-        for world_size in [2, 2, 2, 3, 3, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2]:
-            for rank in range(world_size):
-                want, got = plain.step(cursor, world_size, rank), ahead.step(cursor, world_size, rank)
-                assert [m.indices.tolist() for m in got] == [m.indices.tolist() for m in want]
-                assert all(torch.equal(g.data[0], w.data[0]) for g, w in zip(got, want))
-            cursor = plain.advance(cursor)
-            assert all(key[2] == world_size for key in ahead._ahead), "reads for another world size are dropped"
-    finally:
-        ahead.close()
+    sizes = [2, 2, 2, 3, 3, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2]
+    for world_size, _ in _read_alike(plain, ahead, sizes, lambda data: data[0]):
+        assert all(key[2] == world_size for key in ahead._ahead), "reads for another world size are dropped"
 
 
 def test_fetch_collates_map_style_and_tensor_datasets_alike():
@@ -246,17 +256,8 @@ def test_prefetch_processes_read_in_other_processes_and_give_the_same_batches():
     config = dict(global_batch_size=12, micro_batch_size=5, max_steps=10)
     plain = Loader(_ReaderPid(), DataConfig(**config))
     ahead = Loader(_ReaderPid(), DataConfig(**config, prefetch_processes=2))
-    cursor, readers = DataCursor(), set()
-    try:
-        for world_size in [2, 2, 3, 3, 1, 2]:
-            for rank in range(world_size):
-                want, got = plain.step(cursor, world_size, rank), ahead.step(cursor, world_size, rank)
-                assert [m.indices.tolist() for m in got] == [m.indices.tolist() for m in want]
-                assert all(torch.equal(g.data["x"], w.data["x"]) for g, w in zip(got, want))
-                readers |= {int(p) for m in got for p in m.data["pid"]}
-            cursor = plain.advance(cursor)
-    finally:
-        ahead.close()
+    readers = {int(pid) for _, read in _read_alike(plain, ahead, [2, 2, 3, 3, 1, 2], lambda data: data["x"])
+               for micro in read for pid in micro.data["pid"]}
     assert readers and os.getpid() not in readers, "the reads did not happen in worker processes"
 
 

@@ -95,12 +95,7 @@ def regression_loop(config: dict) -> dict:
                 collectives_checked.add(check_collectives(ctx.collectives, ctx.rank))
             if sync_every and step.index and step.index % sync_every == 0:
                 check_synced(ctx, synced_at)  # decided by the step index alone: every rank calls it
-            if not checked or checked[-1] != ctx.generation:
-                digests = [None] * ctx.world_size
-                dist.all_gather_object(digests, state_digest(*ctx.synced_state().values()))
-                if len(set(digests)) != 1:
-                    raise AssertionError(f"ranks differ after generation {ctx.generation} formed: {digests}")
-                checked.append(ctx.generation)
+            check_alike_when_formed(ctx, checked)
             time.sleep(config.get("compute_s", 0.0))  # a slow step's compute, inside the step
             if step.index == config.get("mismatch_at"):
                 dist.all_reduce(torch.ones(1 + ctx.rank))  # a user bug: shapes differ across ranks
@@ -207,12 +202,7 @@ def streaming_loop(config: dict) -> dict:
     checked: list[int] = []
     for step in ctx.steps(dataset):
         with step:
-            if not checked or checked[-1] != ctx.generation:
-                digests = [None] * ctx.world_size
-                dist.all_gather_object(digests, state_digest(*ctx.synced_state().values()))
-                if len(set(digests)) != 1:
-                    raise AssertionError(f"ranks differ after generation {ctx.generation} formed: {digests}")
-                checked.append(ctx.generation)
+            check_alike_when_formed(ctx, checked)
             scale = 1 + 0.1 * (torch.rand(()).item() + random.random() + float(numpy.random.rand()))
             counts = torch.zeros(config["num_samples"], dtype=torch.float64)
             for mb in step.micro_batches():
@@ -259,6 +249,18 @@ def fit_held(trainer, until):
 def workers_started(count: int):
     """An `until` for `fit_held`: `count` workers have started."""
     return lambda events: len([e for e in events if e["type"] == "worker_started"]) >= count
+
+
+def check_alike_when_formed(ctx, checked: list[int]) -> None:
+    """At a generation's first step, raise unless every rank holds bit-identical synced state;
+    `checked` collects the generations checked."""
+    if checked and checked[-1] == ctx.generation:
+        return
+    digests = [None] * ctx.world_size
+    dist.all_gather_object(digests, state_digest(*ctx.synced_state().values()))
+    if len(set(digests)) != 1:
+        raise AssertionError(f"ranks differ after generation {ctx.generation} formed: {digests}")
+    checked.append(ctx.generation)
 
 
 def check_synced(ctx, synced_at: list[int]) -> None:
