@@ -26,7 +26,8 @@ from elastic.local_sgd import Backup, OuterSync
 from elastic.powersgd import PowerSGD
 from elastic.precision import Precision
 from elastic.state_sync import average_over_holders, state_of
-from elastic.zero import ShardedOptimizer, ShardPosition
+from elastic.shard_plan import ShardPosition
+from elastic.zero import ShardedOptimizer
 
 
 @dataclass

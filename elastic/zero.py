@@ -27,7 +27,8 @@ Memory, for Adam in fp32 (8 bytes of state per element): replicated, every rank 
 Here a rank holds 8Ψ/N of its own plus k·8Ψ/N of buddy copies, (1+k)·8Ψ/N in all, and the
 buddy refresh sends k·8Ψ/N per rank per step beside the all-gather of Ψ parameters.
 
-Reshard. Every member of the new group says what it holds: a `ShardPosition` (old rank, old
+Reshard (the plan in `elastic/shard_plan.py`, carried out by `elastic/shard_transfer.py`, which
+ZeRO-2/3 share). Every member of the new group says what it holds: a `ShardPosition` (old rank, old
 world size, steps taken), or None. All ranks compute the same plan from these (`plan_reshard`).
 Each new rank needs its new range and its k buddy ranges. Each piece of an old range that
 overlaps one of them comes from the first of these that holds it: the receiver itself (as owner
@@ -65,54 +66,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.errors import ElasticError, StateLostError
+from elastic.errors import ElasticError
 from elastic.group import is_peer_failure
+from elastic.shard_plan import Layout, ShardPosition, agreed_history, plan_reshard
+from elastic.shard_transfer import Placement, assemble, move, refresh_buddies, wants_piece
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; pyproject allows torch 2.4.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class ShardLostError(StateLostError):
-    """No live process holds a piece of the sharded optimizer state; restart from a checkpoint."""
-
-    def __init__(self, message: str, lost_ranks: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.lost_ranks = list(lost_ranks)
-
-    def __reduce__(self):
-        return (type(self), (self.args[0], self.lost_ranks))
-
-
-@dataclass(frozen=True)
-class ShardPosition:
-    """The shard a process held: `rank` in a group of `world_size`, its own state after `steps`
-    steps and its buddy copies after `buddy_steps` (None: the same; -1: no usable copy)."""
-
-    rank: int
-    world_size: int
-    steps: int
-    buddy_steps: int | None = None
-
-    def holds(self, steps: int) -> list[str]:
-        """Which of its copies are of the state after `steps` steps: "own", "buddies"."""
-        buddy_steps = self.steps if self.buddy_steps is None else self.buddy_steps
-        return [kind for kind, at in (("own", self.steps), ("buddies", buddy_steps)) if at == steps]
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """Elements [start, stop) of every state tensor, from group rank `source` to group rank `target`.
-
-    The source reads its copy of old rank `owner`'s shard. The target writes its copy of new
-    rank `keeper`'s shard: its own if `keeper` is its new rank, else a buddy copy.
-    """
-
-    source: int
-    target: int
-    owner: int
-    keeper: int
-    start: int
-    stop: int
 
 
 @dataclass(frozen=True)
@@ -123,111 +83,13 @@ class StateBytes:
     buddy: int
 
 
-def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """[start, stop) of the flat vector that `rank` owns among `world_size` ranks."""
-    size = math.ceil(numel / world_size)
-    return min(rank * size, numel), min((rank + 1) * size, numel)
+def _placement(numel: int, world_size: int, rank: int) -> Placement:
+    return Placement(Layout.flat(numel), world_size, rank)
 
 
-def buddies_of(rank: int, world_size: int, replicas: int) -> list[int]:
-    """The ranks whose state `rank` keeps copies of, nearest first."""
-    return [(rank - j) % world_size for j in range(1, min(replicas, world_size - 1) + 1)]
-
-
-def agreed_history(positions: Sequence[ShardPosition | None],
-                   steps_may_differ: bool = False) -> tuple[int, int] | None:
-    """(old world size, steps) that every holder agrees on; None if nobody holds state.
-    With `steps_may_differ` only the group must agree, and steps is the most any holds."""
-    held = [p for p in positions if p is not None]
-    if not held:
-        return None
-    histories = {(p.world_size, 0 if steps_may_differ else p.steps) for p in held}
-    ranks = sorted(p.rank for p in held)
-    world_size, steps = held[0].world_size, max(p.steps for p in held)
-    if len(histories) > 1 or len(set(ranks)) < len(ranks) or not all(0 <= r < world_size for r in ranks):
-        raise ElasticError(
-            f"The processes hold optimizer state of different groups: {held}. Each must pass the "
-            "position it held in the same last group, or None if it missed steps or was not in it."
-        )
-    return world_size, steps
-
-
-def plan_reshard(
-    numel: int, positions: Sequence[ShardPosition | None], leaving: Sequence[bool], replicas: int,
-    steps: int | None = None,
-) -> list[Transfer]:
-    """Every piece each staying rank needs and who sends it; the same list on every rank.
-
-    `positions[g]` is what group rank g holds and `leaving[g]` says whether it leaves after
-    sending. The staying ranks, in group order, become new ranks 0, 1, ... `steps` is the step
-    the group resumes at: only copies of the state after that many steps are used (a death
-    inside a step leaves some ranks' own shard, or their buddy copies, a step off). Raises
-    `ShardLostError` if a needed piece has no holder.
-    """
-    history = agreed_history(positions, steps is not None)
-    if history is None:
-        return []
-    old_size, agreed = history
-    steps = agreed if steps is None else steps
-    copies: dict[int, list[int]] = {}
-    for g, position in enumerate(positions):
-        if position is not None:
-            held = position.holds(steps)
-            owners = ([position.rank] if "own" in held else []) + (
-                buddies_of(position.rank, old_size, replicas) if "buddies" in held else [])
-            for owner in owners:
-                copies.setdefault(owner, []).append(g)
-
-    def source(owner: int, target: int) -> int | None:
-        holders = copies.get(owner, [])
-        if target in holders:
-            return target
-        # The owner itself, then its buddies nearest first.
-        return min(holders, key=lambda g: (positions[g].rank - owner) % old_size, default=None)
-
-    stayers = [g for g, gone in enumerate(leaving) if not gone]
-    transfers, lost = [], set()
-    for new_rank, target in enumerate(stayers):
-        for keeper in [new_rank, *buddies_of(new_rank, len(stayers), replicas)]:
-            start, stop = shard_range(numel, len(stayers), keeper)
-            for owner in range(old_size):
-                old_start, old_stop = shard_range(numel, old_size, owner)
-                begin, end = max(start, old_start), min(stop, old_stop)
-                if begin >= end:
-                    continue
-                sender = source(owner, target)
-                if sender is None:
-                    lost.add(owner)
-                else:
-                    transfers.append(Transfer(sender, target, owner, keeper, begin, end))
-    if lost:
-        lost_ranks = sorted(lost)
-        raise ShardLostError(
-            f"The optimizer state of old rank(s) {lost_ranks} of {old_size} (after step {steps}) is "
-            f"lost: neither its owner nor a buddy copy (replicas={replicas}) is in the new group. "
-            "The run must restart from a checkpoint; with replicas=k, a death of up to k "
-            "consecutive ranks loses nothing.",
-            lost_ranks,
-        )
-    return transfers
-
-
-@dataclass(frozen=True)
-class _Layout:
-    numel: int
-    world_size: int
-    rank: int
-
-    @property
-    def shard_size(self) -> int:
-        return math.ceil(self.numel / self.world_size)
-
-    def range(self, rank: int | None = None) -> tuple[int, int]:
-        return shard_range(self.numel, self.world_size, self.rank if rank is None else rank)
-
-    def length(self, rank: int | None = None) -> int:
-        start, stop = self.range(rank)
-        return stop - start
+def _range(placement: Placement, rank: int | None = None) -> tuple[int, int]:
+    """[start, stop) of the flat vector that `rank` (default: this one) owns."""
+    return placement.layout.spans(placement.world_size, placement.rank if rank is None else rank)[0]
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -245,7 +107,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._params: list[torch.Tensor] = list(self.param_groups[0]["params"])
         self._numel = sum(p.numel() for p in self._params)
         self._replicas = replicas
-        self._layout: _Layout | None = None
+        self._layout: Placement | None = None
         self._group: dist.ProcessGroup | None = None  # None: the default group (WORLD)
         self._awaits_bind = False  # after a planned shrink, until `bind` names the smaller group
         self._padded: torch.Tensor | None = None  # the shard, padded to S for the all-gather
@@ -297,12 +159,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         history = agreed_history(positions)
         holder = next((m for m in members if m["position"] is not None), None)
         dtypes = holder["dtypes"] if holder else {}
-        transfers = plan_reshard(self._numel, positions, [m["leaving"] for m in members],
+        transfers = plan_reshard(Layout.flat(self._numel), positions, [m["leaving"] for m in members],
                                  self._replicas, steps) if dtypes else []
         self._resharding = True
         me = dist.get_rank(group)
-        layout = None if leaving else _Layout(self._numel, len(stayers), stayers.index(me))
-        received, buddies = self._move(transfers, me, layout, dtypes, group)
+        layout = None if leaving else _placement(self._numel, len(stayers), stayers.index(me))
+        received, buddies = move(transfers, me, self._layout, layout, own, self._buddies, dtypes, self._replicas,
+                                 self._params[0].device, group)
         self._install(layout, received, buddies, holder["scalars"] if holder else {},
                       steps if steps is not None else (history[1] if history else 0))
         self._resharding = False
@@ -335,13 +198,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if missing:
             raise ElasticError(f"Parameters {missing} have no gradient: ZeRO steps every parameter at every "
                                "step; pass only parameters that get a gradient, or give them zero ones")
-        start, _ = layout.range()
+        start, _ = _range(layout)
         _read(self._params, start, self._shard)
         self._shard.grad = _read([p.grad for p in self._params], start, torch.empty_like(self._shard))
         self._inner.param_groups[0].update(self._hyperparameters())  # LR schedulers edit param_groups
         self._inner.step()
         self._steps += 1
-        gathered = self._padded.new_empty(layout.shard_size * layout.world_size)
+        gathered = self._padded.new_empty(self._padded.numel() * layout.world_size)
         _all_gather(gathered, self._padded, group=self._group)
         _write(gathered, self._params)
         # The step is taken: the parameters are written. A peer lost during the buddy refresh
@@ -349,7 +212,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # the heal that follows finds the lost pieces elsewhere.
         self._buddy_steps = -1
         try:
-            self._refresh_buddies()
+            own = self._own_state()
+            refresh_buddies(layout, {name: own[name] for name in _aligned_names(own, self._shard)},
+                            self._buddies, self._replicas, self._group)
         except Exception as exc:
             if not is_peer_failure(exc):
                 raise
@@ -366,8 +231,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         layout = self._require_layout()
         own = self._own_state()
         names = _aligned_names(own, self._shard)
-        start, stop = layout.range()
-        return {"numel": self._numel, "steps": self._steps, "start": start, "stop": stop,
+        return {"numel": self._numel, "steps": self._steps, "spans": [_range(layout)],
                 "tensors": {name: own[name] for name in names}, "scalars": _export_scalars(own, names)}
 
     def load_sharded(self, pieces: Sequence[dict[str, Any]]) -> None:
@@ -384,18 +248,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ElasticError(f"The pieces are from (numel, steps) {histories}, this model has numel "
                                f"{self._numel}; pass the pieces of one checkpoint of this model")
         dtypes = {name: tensor.dtype for name, tensor in pieces[0]["tensors"].items()}
-        own = self._assemble(pieces, layout.range(), dtypes)
-        buddies = {keeper: self._assemble(pieces, layout.range(keeper), dtypes)
-                   for keeper in buddies_of(layout.rank, layout.world_size, self._replicas)}
+        device = self._params[0].device
+        own = assemble(pieces, layout, layout.rank, dtypes, device)
+        buddies = {keeper: assemble(pieces, layout, keeper, dtypes, device) for keeper in layout.buddies(self._replicas)}
         self._install(layout, own, buddies, pieces[0]["scalars"], histories[0][1])
 
     def wants_piece(self, rank: int, world_size: int) -> bool:
         """Whether the piece written by `rank` of `world_size` overlaps what this rank holds (its
         shard and its buddy copies): `load_sharded` needs only those, so a restart reads no more."""
-        layout = self._require_layout()
-        start, stop = shard_range(self._numel, world_size, rank)
-        held = [layout.range()] + [layout.range(k) for k in buddies_of(layout.rank, layout.world_size, self._replicas)]
-        return any(start < b and a < stop for a, b in held)
+        return wants_piece(self._require_layout(), self._replicas, rank, world_size)
 
     def state_bytes_per_rank(self) -> StateBytes:
         """Bytes of elementwise optimizer state this rank holds, its own shard and buddy copies apart."""
@@ -417,7 +278,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                "wrapped optimizer before wrapping it")
         super().add_param_group(param_group)
 
-    def _require_layout(self) -> _Layout:
+    def _require_layout(self) -> Placement:
         if self._layout is None:
             raise ElasticError("This ShardedOptimizer holds no layout: call reshard() on the group first "
                                "(reshard(None) in the first group), or it left the group")
@@ -429,55 +290,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _own_state(self) -> dict[str, Any]:
         return self._inner.state.get(self._shard, {}) if self._inner is not None else {}
 
-    def _move(self, transfers: list[Transfer], me: int, layout: _Layout | None,
-              dtypes: dict[str, torch.dtype], group: dist.ProcessGroup | None
-              ) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
-        """Run this rank's part of the plan: (its new own state tensors, its new buddy copies)."""
-        device = self._params[0].device
-
-        def allocate(keeper: int) -> dict[str, torch.Tensor]:
-            return {name: torch.empty(layout.length(keeper), dtype=dtype, device=device)
-                    for name, dtype in dtypes.items()}
-
-        received = allocate(layout.rank) if layout else {}
-        buddies = {keeper: allocate(keeper) for keeper in
-                   (buddies_of(layout.rank, layout.world_size, self._replicas) if layout else [])}
-        own = self._own_state()
-
-        def sent(transfer: Transfer, name: str) -> torch.Tensor:
-            held = own if self._layout.rank == transfer.owner else self._buddies[transfer.owner]
-            offset = transfer.start - self._layout.range(transfer.owner)[0]
-            return held[name][offset:offset + transfer.stop - transfer.start]
-
-        def landing(transfer: Transfer, name: str) -> torch.Tensor:
-            into = received if transfer.keeper == layout.rank else buddies[transfer.keeper]
-            offset = transfer.start - layout.range(transfer.keeper)[0]
-            return into[name][offset:offset + transfer.stop - transfer.start]
-
-        names = sorted(dtypes)
-        ops = []
-        for i, transfer in enumerate(transfers):
-            for j, name in enumerate(names):
-                tag = i * len(names) + j
-                if transfer.source == transfer.target == me:
-                    landing(transfer, name).copy_(sent(transfer, name))
-                elif transfer.source == me:
-                    ops.append(dist.P2POp(dist.isend, sent(transfer, name), group=group,
-                                          group_peer=transfer.target, tag=tag))
-                elif transfer.target == me:
-                    ops.append(dist.P2POp(dist.irecv, landing(transfer, name), group=group,
-                                          group_peer=transfer.source, tag=tag))
-        _exchange(ops)
-        return received, buddies
-
-    def _install(self, layout: _Layout | None, own: dict[str, torch.Tensor],
+    def _install(self, layout: Placement | None, own: dict[str, torch.Tensor],
                  buddies: dict[int, dict[str, torch.Tensor]], scalars: dict[str, Any], steps: int) -> None:
         self._layout, self._buddies, self._steps, self._buddy_steps = layout, buddies, steps, steps
         if layout is None:
             self._padded = self._shard = self._inner = None
             return
         first = self._params[0]
-        self._padded = torch.zeros(layout.shard_size, dtype=first.dtype, device=first.device)
+        self._padded = torch.zeros(math.ceil(self._numel / layout.world_size), dtype=first.dtype, device=first.device)
         self._shard = self._padded[: layout.length()]
         self._inner = self._make_inner(self._shard)
         if own or scalars:
@@ -493,49 +313,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         inner = self._optimizer_class([shard], **{k: v for k, v in hyperparameters.items() if k in accepted})
         inner.param_groups[0].update(hyperparameters)
         return inner
-
-    def _refresh_buddies(self) -> None:
-        """Send this rank's state to ranks r+1..r+k and take r-1..r-k's into the buddy copies."""
-        layout = self._layout
-        own = self._own_state()
-        names = _aligned_names(own, self._shard)
-        ops = []
-        for j in range(1, min(self._replicas, layout.world_size - 1) + 1):
-            to, owner = (layout.rank + j) % layout.world_size, (layout.rank - j) % layout.world_size
-            copy = self._buddies.get(owner)
-            if copy is None or sorted(copy) != names:  # the first step creates the state
-                copy = self._buddies[owner] = {
-                    name: own[name].new_empty(layout.length(owner)) for name in names}
-            for i, name in enumerate(names):
-                tag = j * len(names) + i
-                if own[name].numel():
-                    ops.append(dist.P2POp(dist.isend, own[name], group=self._group,
-                                          group_peer=to, tag=tag))
-                if copy[name].numel():
-                    ops.append(dist.P2POp(dist.irecv, copy[name], group=self._group,
-                                          group_peer=owner, tag=tag))
-        _exchange(ops)
-
-    def _assemble(self, pieces: Sequence[dict[str, Any]], span: tuple[int, int],
-                  dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
-        start, stop = span
-        device = self._params[0].device
-        out = {name: torch.empty(stop - start, dtype=dtype, device=device) for name, dtype in dtypes.items()}
-        covered = start
-        for piece in sorted(pieces, key=lambda p: p["start"]):
-            begin, end = max(covered, piece["start"]), min(stop, piece["stop"])
-            if end <= begin:
-                continue  # wholly before what is covered, or after the range
-            if begin > covered:
-                break  # a gap
-            offset = piece["start"]
-            for name in dtypes:
-                out[name][begin - start:end - start].copy_(piece["tensors"][name][begin - offset:end - offset])
-            covered = max(covered, end)
-        if covered < stop:
-            raise ElasticError(f"The pieces do not cover elements [{covered}, {stop}) that this rank needs "
-                               f"(its range or a buddy's); pass the pieces of every rank of the checkpoint")
-        return out
 
 
 def _check_wrappable(optimizer: torch.optim.Optimizer, replicas: int) -> None:
@@ -592,9 +369,3 @@ def _write(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     for tensor in tensors:
         tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
         offset += tensor.numel()
-
-
-def _exchange(ops: list[dist.P2POp]) -> None:
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
