@@ -200,7 +200,7 @@ class Checkpoint:
         names = sorted(e["name"] for e in self.manifest["files"] if e["name"].startswith(f"{OPTIMIZER_SHARDS}/"))
         if not names:
             raise CheckpointError(f"checkpoint {self.path} holds no sharded optimizer state: it was written "
-                                  "without Strategy(zero=1); resume it with the same strategy")
+                                  "without Strategy(zero=1, 2 or 3); resume it with the same strategy")
         if wanted is not None:
             writers = [tuple(int(n) for n in name.split("/")[-1].removesuffix(".pt").split("-of-")) for name in names]
             names = [name for name, (rank, size) in zip(names, writers) if wanted(rank, size)] or names[:1]

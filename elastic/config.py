@@ -250,13 +250,15 @@ class Strategy(_Frozen):
         "'powersgd:rank=R[,start_iter=N]': send rank-R factors of each gradient matrix, with error feedback, "
         "after N plain steps (default 10)."
     )
-    zero: Literal[0, 1] = Field(
-        0, description="1: ZeRO stage 1, the optimizer state sharded across ranks (each shard also kept by the "
-        "next rank), resharded point to point at every heal and grow."
+    zero: Literal[0, 1, 2, 3] = Field(
+        0, description="ZeRO stage. 1: the optimizer state sharded across ranks. 2: the gradients too, and 3: the "
+        "parameters too, both on FSDP2. Each shard is also kept by the next rank and resharded point to point at "
+        "every heal and grow."
     )
     zero_replicas: Literal[0, 1] = Field(
         1, description="Copies of each ZeRO shard kept by the next ranks (buddies): 1 survives any single death in "
-        "place; 0 saves that memory (8 bytes per parameter / N with Adam) and restarts the run from its latest "
+        "place; 0 saves that memory (Adam: 8 bytes per parameter / N, 16 under zero=2/3, which also copy the "
+        "parameters) and restarts the run from its latest "
         "checkpoint when a rank dies."
     )
     sync: str = Field(
@@ -284,14 +286,17 @@ class Strategy(_Frozen):
             raise ValueError(f"compression={self.compression!r} acts on DDP's per-step gradient all-reduce, which "
                              f"sync={self.sync!r} does not do; use one or the other")
         if self.zero and kind != "ddp":
-            raise ValueError(f"zero=1 shards the state of an optimizer that steps on all-reduced gradients; "
+            raise ValueError(f"zero={self.zero} shards the state of an optimizer that steps on all-reduced gradients; "
                              f"sync={self.sync!r} steps each rank alone: use one or the other")
         if self.zero_replicas == 0 and not self.zero:
             raise ValueError("zero_replicas=0 drops the buddy copies of ZeRO's shards, which exist only with "
-                             "zero=1; set zero=1 or leave zero_replicas at 1")
-        if self.zero and self.precision == "fp16":
-            raise ValueError("zero=1 with precision='fp16' is not built yet: the GradScaler would have to "
-                             "unscale before the sharded step; use precision='bf16' or zero=0")
+                             "zero=1, 2 or 3; set zero or leave zero_replicas at 1")
+        if self.zero >= 2 and self.precision == "fp16":
+            raise ValueError(f"zero={self.zero} with precision='fp16' is not built: each rank would find overflows in "
+                             "its own gradient shard only; use precision='bf16', or zero=1")
+        if self.zero >= 2 and self.compression != "none":
+            raise ValueError(f"compression={self.compression!r} acts on DDP's gradient all-reduce; zero={self.zero} "
+                             "reduce-scatters the gradients with FSDP2 instead: use one or the other")
         if kind != "ddp" and self.precision == "fp16":
             raise ValueError(f"precision='fp16' needs every rank to skip the same overflowing steps, which only "
                              f"sync='ddp' guarantees; use precision='bf16' with sync={self.sync!r}")
@@ -360,7 +365,7 @@ def _parse_options(field: str, text: str, kinds: dict[str, dict[str, type]], usa
 def check_strategy_fits(strategy: Strategy, checkpoint: CheckpointConfig) -> None:
     """Checks between the strategy and the checkpoint schedule; raises ValueError."""
     if strategy.zero and strategy.zero_replicas == 0 and not checkpoint.enabled:
-        raise ValueError("Strategy(zero=1, zero_replicas=0) restarts the run from its latest checkpoint when a rank "
+        raise ValueError(f"Strategy(zero={strategy.zero}, zero_replicas=0) restarts the run from its latest checkpoint when a rank "
                          "dies, and this run writes none: set CheckpointConfig(every_steps=N), or keep zero_replicas=1")
     every = strategy.sync_options.get("every")
     if every and checkpoint.every_steps and checkpoint.every_steps % every:

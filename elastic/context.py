@@ -176,7 +176,11 @@ class TrainContext:
         return self._step_index
 
     def prepare_model(self, model: torch.nn.Module) -> ElasticDDP:
-        """Register `model` for healing and wrap it in DDP; call before `steps()`."""
+        """Register `model` for healing and wrap it in DDP; call before `steps()`.
+
+        Under Strategy(zero=2 or 3) each generation shards it with FSDP2 instead: the returned
+        module then holds that generation's sharded module (DTensor parameters) as `module`.
+        """
         if self._model is not None:
             raise ElasticError("prepare_model() was called twice; elastic syncs one model per run")
         model.to(self.device)
@@ -189,7 +193,8 @@ class TrainContext:
         """Register `optimizer` for healing; its `step()` commits the current global step.
 
         Step the optimizer this returns: under Strategy(zero=1) it is a `ShardedOptimizer`
-        around yours, whose state is sharded across the ranks rather than synced whole.
+        around yours, whose state is sharded across the ranks rather than synced whole; under
+        zero=2 or 3 a `ShardedParamsOptimizer` stepping your optimizer's class over the shards.
         """
         if self._optimizer is not None:
             raise ElasticError("prepare_optimizer() was called twice; elastic syncs one optimizer per run")
@@ -353,7 +358,10 @@ class TrainContext:
                 on_sync=(lambda: self._enter_sync(step)) if i == len(loaded) - 1 else None,
                 run_backward=self.techniques.precision.backward,
             )
-            if ddp is not None and i < len(loaded) - 1:
+            last = i == len(loaded) - 1
+            if self.techniques.sharded is not None:
+                self.techniques.sharded.set_requires_gradient_sync(last)
+            if ddp is not None and not last:
                 with ddp.no_sync():
                     yield batch
             else:
@@ -532,6 +540,8 @@ class TrainContext:
         self.techniques.after_sync(held, self._objects, progress, holds_state,
                                    spec.resume_from if spec.restart else None)
         if self._model is not None:
+            if self.techniques.sharded is not None:
+                self._model.module = self.techniques.sharded.module  # this generation's FSDP2 module
             self._model.ddp = self._wrap(self._model.module)
         # The hang check compares these across the members of one generation: count afresh.
         self._entered_sync = self._launched = 0

@@ -199,7 +199,10 @@ class FullyShardedModel:
                 "tensors": self._own(), "scalars": self._scalars()}
 
     def wants_piece(self, rank: int, world_size: int) -> bool:
-        return wants_piece(self._require_placement(), self.replicas, rank, world_size)
+        """Whether a checkpoint piece of `rank` of `world_size` overlaps what this rank holds or
+        will hold in the current group (before `form`, in WORLD's layout)."""
+        placement = self._placement or Placement(self._layout, dist.get_world_size(), dist.get_rank())
+        return wants_piece(placement, self.replicas, rank, world_size)
 
     def check_pieces(self, pieces: Sequence[dict[str, Any]]) -> None:
         """Refuse a checkpoint's pieces of another model or another ZeRO stage layout."""
@@ -237,6 +240,21 @@ class FullyShardedModel:
         if self._placement is None:
             raise ElasticError("FullyShardedModel has not formed over a group yet: call form() first")
         return self._placement
+
+
+class ShardedBuffers:
+    """The sharded model's buffers: replicated state, synced and checkpointed like a DDP model's."""
+
+    def __init__(self, owner: FullyShardedModel) -> None:
+        self._owner = owner
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self._owner.module.named_buffers())
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, buffer in self._owner.module.named_buffers():
+                buffer.copy_(state[name])
 
 
 class ShardedParamsOptimizer(torch.optim.Optimizer):

@@ -57,20 +57,26 @@ class Precision:
         """Make `optimizer.step()` unscale, skip on overflow and update the scale (fp16 only).
 
         GradScaler.step calls `optimizer.step` itself, which is this wrapper again: the inner
-        call goes straight to the optimizer's own step.
+        call goes straight to the optimizer's own step. An optimizer that counts the steps its
+        state has seen (ZeRO's `ShardedOptimizer`) is told of a skipped one through `skip_step`.
         """
         if self.scaler is None:
             return
         own_step = optimizer.step
+        stepped = []
 
         @functools.wraps(own_step)
         def step(bound: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             if self._stepping:
+                stepped.append(True)
                 return own_step(*args, **kwargs)
             self._stepping = True
+            stepped.clear()
             try:
                 value = self.scaler.step(bound, *args, **kwargs)
                 self.scaler.update()
+                if not stepped and hasattr(bound, "skip_step"):
+                    bound.skip_step()
                 return value
             finally:
                 self._stepping = False

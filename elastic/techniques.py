@@ -22,6 +22,7 @@ import torch
 from elastic.checkpoint import Checkpoint
 from elastic.compression import GradientCompression
 from elastic.config import Strategy
+from elastic.fsdp import FullyShardedModel, ShardedBuffers
 from elastic.local_sgd import Backup, OuterSync
 from elastic.powersgd import PowerSGD
 from elastic.precision import Precision
@@ -51,7 +52,8 @@ class Techniques:
         # What DDP's gradient hook does to each bucket (PowerSGD once the model is prepared).
         self.codec: GradientCompression | PowerSGD = GradientCompression(casting)
         self.outer: OuterSync | None = None  # local SGD / DiLoCo
-        self.zero: ShardedOptimizer | None = None
+        self.zero: ShardedOptimizer | None = None  # ZeRO-1
+        self.sharded: FullyShardedModel | None = None  # ZeRO-2/3
         self.backup = Backup()  # local SGD's state at its last sync
         self._max_steps = max_steps
         self._seed = seed
@@ -63,6 +65,9 @@ class Techniques:
     def prepare_model(self, model: torch.nn.Module, objects: dict[str, Any]) -> None:
         """Create what works on `model`, registering its replicated state in `objects`."""
         self._gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        if self.strategy.zero >= 2:
+            self.sharded = FullyShardedModel(model, self.strategy.zero, self.strategy.zero_replicas)
+            objects["model"] = ShardedBuffers(self.sharded)  # the parameters are sharded, not synced whole
         if self.strategy.sync_options["kind"] != "ddp":
             self.outer = objects["outer_sync"] = OuterSync(self.strategy.sync_options, model, self._max_steps)
         options = self.strategy.compression_options
@@ -73,7 +78,9 @@ class Techniques:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, objects: dict[str, Any]) -> torch.optim.Optimizer:
         """The optimizer the train loop steps: under ZeRO a `ShardedOptimizer` around `optimizer`,
         whose state is sharded rather than registered."""
-        if self.strategy.zero:
+        if self.sharded is not None:
+            optimizer = self.sharded.adopt(optimizer)
+        elif self.strategy.zero:
             optimizer = self.zero = ShardedOptimizer(optimizer, replicas=self.strategy.zero_replicas)
         else:
             objects["optimizer"] = optimizer
@@ -85,8 +92,8 @@ class Techniques:
 
     @property
     def replaces_ddp(self) -> bool:
-        """Local SGD syncs parameters itself: no DDP, no gradient all-reduce."""
-        return self.outer is not None
+        """Local SGD syncs parameters itself, ZeRO-2/3 reduce-scatters gradients in FSDP2: no DDP."""
+        return self.outer is not None or self.sharded is not None
 
     @property
     def hooks_gradients(self) -> bool:
@@ -130,8 +137,9 @@ class Techniques:
         if holds_state and self.outer is not None and self.backup.step not in (None, progress["step"]):
             restored = self.backup.restore(objects)
             rolled_back, progress = progress["step"] - restored["step"], restored
+        sharded = self.zero or self.sharded
         return Held(progress, rolled_back, {name: get() for name, (get, _) in self._per_rank().items()},
-                    self.zero.position if self.zero is not None and holds_state else None)
+                    sharded.position if sharded is not None and holds_state else None)
 
     def after_sync(self, held: Held, objects: dict[str, Any], progress: dict[str, Any], holds_state: bool,
                    resume_from: Checkpoint | None) -> None:
@@ -144,6 +152,11 @@ class Techniques:
             self.zero.reshard(held.position, steps=progress["step"])
             if resume_from is not None:
                 self.zero.load_sharded(resume_from.load_optimizer_shards(self.zero.wants_piece))
+        if self.sharded is not None:
+            pieces = resume_from.load_optimizer_shards(self.sharded.wants_piece) if resume_from is not None else []
+            if pieces:
+                self.sharded.check_pieces(pieces)
+            self.sharded.form(held.position, steps=progress["step"], pieces=pieces)
         if self.outer is not None:
             self.backup.take(objects, progress)
 
@@ -179,8 +192,9 @@ class Techniques:
         return states, progress
 
     def optimizer_shard(self) -> dict[str, Any] | None:
-        """A copy of this rank's part of ZeRO's optimizer state, for the checkpoint's writer."""
-        return _copied(self.zero.sharded_state_dict()) if self.zero is not None else None
+        """A copy of this rank's part of ZeRO's sharded state, for the checkpoint's writer."""
+        sharded = self.zero or self.sharded
+        return _copied(sharded.sharded_state_dict()) if sharded is not None else None
 
     def _per_rank_keys(self) -> list[tuple[str, str]]:
         """(registered object, key of its state dict) of each state that differs between ranks."""

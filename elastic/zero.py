@@ -222,6 +222,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._buddy_steps = self._steps
         return loss
 
+    def skip_step(self) -> None:
+        """The GradScaler skipped a step (its gradients overflowed): the state, unchanged, is now
+        that of one step more, on this rank and in its buddy copies."""
+        if self._buddy_steps == self._steps:
+            self._buddy_steps += 1
+        self._steps += 1
+
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shard for a checkpoint: plain ints and tensors, loadable with weights_only.
 

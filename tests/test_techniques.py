@@ -207,6 +207,19 @@ def test_zero_1_equals_ddp_through_a_grow_and_a_kill_with_the_dead_ranks_shard_f
     assert _max_diff(result.value["params"], ddp_reference["adamw"]["params"]) < 1e-9
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_2_and_3_on_fsdp2_equal_ddp_through_a_grow_and_a_kill(local_ray, tmp_path, ddp_reference, stage):
+    # As ZeRO-1's test: each generation shards a fresh FSDP2 module over its group, filled with
+    # the shards (parameters and AdamW state) moved point to point; rank 1's come from its buddy.
+    result = _fit_held(tmp_path, f"zero{stage}", 4, _grow_to_3_once_formed(),
+                       scaling=ScalingConfig(min_workers=2, max_workers=3),
+                       strategy=Strategy(zero=stage), faults=[Fault(kind="kill", rank=1, step=16)], optimizer="adamw")
+    kinds = [(e["kind"], e["world_size"]) for e in result.events_of("generation_formed")]
+    assert kinds[:3] == [("start", 2), ("grow", 3), ("heal", 2)], kinds
+    assert _max_diff(result.value["params"], ddp_reference["adamw"]["params"]) < 1e-9
+    _assert_exactly_once(result.value["ledger"], MAX_STEPS)
+
+
 def test_zero_without_buddy_copies_restarts_a_death_from_the_latest_checkpoint_exactly(local_ray, tmp_path,
                                                                                       ddp_reference):
     # zero_replicas=0: rank 1's shard dies with it, so the survivor cannot heal in place; the

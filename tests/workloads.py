@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 import ray
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import elastic
 from elastic.events import read_events
@@ -70,6 +71,11 @@ def _tensors(value):
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors(item)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as one plain tensor: a ZeRO-3 shard (DTensor) gathered from every rank, a collective."""
+    return tensor.full_tensor().detach() if isinstance(tensor, DTensor) else tensor
 
 
 def regression_loop(config: dict) -> dict:
@@ -132,7 +138,7 @@ def regression_loop(config: dict) -> dict:
         x, y = dataset.tensors
         final_loss = torch.nn.functional.mse_loss(model.module(x), y).item()
     return {
-        "params": {k: v.clone() for k, v in model.module.state_dict().items()},
+        "params": {k: whole(v).clone() for k, v in model.module.state_dict().items()},
         "ledger": ledger.clone(),
         "checked": checked,
         "pid": os.getpid(),
