@@ -88,6 +88,9 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--compression", default=strategy.compression, metavar="SPEC",
                       help="none, fp16, bf16 (the gradient all-reduce's dtype) or powersgd:rank=R[,start_iter=N] "
                       "(default: %(default)s)")
+    demo.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=strategy.zero,
+                      help="ZeRO stage: 1 shards the optimizer state, 2 the gradients too, 3 the parameters too "
+                      "(2 and 3 on FSDP2) (default: %(default)s)")
     demo.add_argument("--sync", default=strategy.sync, metavar="SPEC",
                       help="ddp, local_sgd:every=H or diloco:every=H[,outer_lr=X][,outer_momentum=X] "
                       "(default: %(default)s)")
@@ -123,7 +126,8 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         config = DemoConfig(
             name=args.name, storage_path=args.storage_path, address=args.address, data_dir=args.data_dir,
             min_workers=args.min_workers, max_workers=args.max_workers, steps=args.steps, faults=faults,
-            strategy={"precision": args.precision, "compression": args.compression, "sync": args.sync},
+            strategy={"precision": args.precision, "compression": args.compression, "sync": args.sync,
+                      "zero": args.zero},
         )
     except ValidationError as exc:
         parser.error("; ".join(_validation_message(e) for e in exc.errors()))

@@ -13,7 +13,7 @@ the backward, so a rank holds only its shard between uses. Every parameter is cu
 first dimension as torch.chunk cuts it; the optimizer (a fresh instance of the user's class with
 the same hyperparameters) steps the local shards, so its elementwise state is sharded the same
 way. The units are the root's children that hold parameters (the items of a ModuleList or
-Sequential child each), then the root.
+Sequential child each; children sharing a tied weight stay in the root's), then the root.
 
 A module under FSDP2 is bound to one device mesh, so each generation builds a new one: a copy of
 the model on the meta device is sharded over the new group, and every rank fills its shards.
@@ -27,8 +27,8 @@ Memory, Adam in fp32, Ψ parameters, N ranks: a rank holds 4Ψ/N of parameters, 
 and 8Ψ/N of optimizer state, plus whole units while they are gathered (stage 3: one unit at a
 time; stage 2: all of them from the forward to the backward), and a buddy copy of 12Ψ/N.
 
-Limits: one param group; parameters of one dtype, with at least one dimension, and no weight
-shared between units; an elementwise optimizer (as ZeRO-1). FSDP2's collectives are not the
+Limits: one param group; parameters of one dtype, with at least one dimension; an elementwise
+optimizer (as ZeRO-1). FSDP2's collectives are not the
 abortable ones of `elastic.group`: a death is seen by gloo's connection errors, which at 2-3
 ranks is immediate.
 """
@@ -337,14 +337,20 @@ def _on_meta(module: nn.Module) -> nn.Module:
 
 def _units(module: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 gathers one at a time: the root's children with parameters, the items of
-    a ModuleList or Sequential child each."""
-    units = []
+    a ModuleList or Sequential child each. Children that share a parameter (tied embeddings) are
+    left to the root's unit, since FSDP2 shards a parameter in one unit only."""
+    candidates = []
     for child in module.children():
         if isinstance(child, (nn.ModuleList, nn.Sequential)):
-            units += [item for item in child.children() if any(True for _ in item.parameters())]
-        elif any(True for _ in child.parameters()):
-            units.append(child)
-    return units
+            candidates += list(child.children())
+        else:
+            candidates.append(child)
+    owners: dict[int, int] = {}
+    for unit in candidates:
+        for param in unit.parameters():
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    return [unit for unit in candidates
+            if any(True for _ in unit.parameters()) and all(owners[id(p)] == 1 for p in unit.parameters())]
 
 
 def _split(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
