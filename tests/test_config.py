@@ -305,10 +305,15 @@ def test_zero_with_a_technique_it_does_not_combine_with_is_rejected_saying_why()
     with pytest.raises(ValidationError, match=r"zero=1 shards the state of an optimizer that steps on all-reduced "
                        r"gradients; sync='diloco:every=8' steps each rank alone"):
         Strategy(zero=1, sync="diloco:every=8")
-    with pytest.raises(ValidationError, match=r"zero=1 with precision='fp16' is not built yet"):
-        Strategy(zero=1, precision="fp16")
-    with pytest.raises(ValidationError, match=r"zero\n  Input should be 0 or 1"):
-        Strategy(zero=3)
+    with pytest.raises(ValidationError, match=r"zero=3 with precision='fp16' is not built: each rank would find "
+                       r"overflows in its own gradient shard only; use precision='bf16', or zero=1"):
+        Strategy(zero=3, precision="fp16")
+    with pytest.raises(ValidationError, match=r"compression='powersgd:rank=2' acts on DDP's gradient all-reduce; "
+                       r"zero=2 reduce-scatters the gradients with FSDP2 instead"):
+        Strategy(zero=2, compression="powersgd:rank=2")
+    with pytest.raises(ValidationError, match=r"zero\n  Input should be 0, 1, 2 or 3"):
+        Strategy(zero=4)
+    assert Strategy(zero=1, precision="fp16").zero == 1
 
 
 def test_a_checkpoint_schedule_off_the_local_sgd_interval_is_rejected_with_one_that_fits(tmp_path):
@@ -324,7 +329,7 @@ def test_a_checkpoint_schedule_off_the_local_sgd_interval_is_rejected_with_one_t
 
 def test_zero_without_buddy_copies_needs_zero_and_a_checkpoint_schedule_to_restart_from(tmp_path):
     with pytest.raises(ValidationError, match=r"zero_replicas=0 drops the buddy copies of ZeRO's shards, which exist "
-                       r"only with zero=1"):
+                       r"only with zero=1, 2 or 3"):
         Strategy(zero_replicas=0)
     with pytest.raises(ValueError, match=r"Strategy\(zero=1, zero_replicas=0\) restarts the run from its latest "
                        r"checkpoint when a rank dies, and this run writes none: set CheckpointConfig\(every_steps=N\)"):

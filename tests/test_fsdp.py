@@ -113,6 +113,11 @@ def _grow_die_resume(process, port, stage, folder, results):
     restored = _Run(stage)
     restored.sharded.check_pieces(pieces)
     restored.sharded.form(None, steps=0, pieces=pieces)
+    try:  # the survivors' shards forgotten, their initial weights freed, no checkpoint: nothing to start from
+        run.sharded.form(None, steps=0)
+        results[("from nothing", process)] = None
+    except ElasticError as exc:
+        results[("from nothing", process)] = str(exc)
     results[("resumed", process)] = {"steps": restored.sharded.position.steps,
                                      "wants": [restored.sharded.wants_piece(r, 3) for r in range(3)],
                                      "params": [p.full_tensor().detach() for p in restored.sharded._params]}
@@ -140,14 +145,23 @@ def test_zero_2_and_3_equal_plain_adamw_through_a_grow_a_death_and_a_resume_at_a
         assert resumed["steps"] == 2 * STEPS
         for saved, loaded in zip(results[("saved", 0)], resumed["params"]):
             assert torch.equal(saved, loaded)
+    for process in (0, 2):
+        assert "No rank holds the model's shards or its initial weights" in results[("from nothing", process)]
     # With a buddy each, rank 0 of 2 needs pieces 0, 1 and its buddy's (rank 1's) pieces 1, 2.
     assert results[("resumed", 0)]["wants"] == [True, True, True]
 
 
-def test_a_model_it_cannot_shard_is_refused_with_the_fix():
+def test_a_model_or_checkpoint_it_cannot_shard_is_refused_with_the_fix():
     with pytest.raises(ElasticError, match="mix dtypes"):
         FullyShardedModel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), stage=3)
     frozen = nn.Linear(2, 2)
     frozen.bias.requires_grad_(False)
     with pytest.raises(ElasticError, match="do not require grad"):
         FullyShardedModel(frozen, stage=2)
+    scalar = nn.Linear(2, 2)
+    scalar.scale = nn.Parameter(torch.ones(()))
+    with pytest.raises(ElasticError, match=r"Parameters \['scale'\] are 0-dimensional"):
+        FullyShardedModel(scalar, stage=3)
+    zero_1_piece = {"numel": 6, "steps": 1, "spans": [[0, 6]], "tensors": {}, "scalars": {}}
+    with pytest.raises(ElasticError, match="does not fit this model under ZeRO-2/3"):
+        FullyShardedModel(nn.Linear(2, 2), stage=3).check_pieces([zero_1_piece])

@@ -241,7 +241,8 @@ def test_zero_without_buddy_copies_restarts_a_death_from_the_latest_checkpoint_e
     _assert_exactly_once(result.value["ledger"], MAX_STEPS)
 
 
-def test_a_zero_checkpoint_written_by_3_ranks_resumes_at_2_exactly(local_ray, tmp_path, ddp_reference):
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_zero_checkpoint_written_by_3_ranks_resumes_at_2_exactly(local_ray, tmp_path, ddp_reference, stage):
     def run(workers, max_steps):
         return ElasticTrainer(
             regression_loop,
@@ -250,7 +251,7 @@ def test_a_zero_checkpoint_written_by_3_ranks_resumes_at_2_exactly(local_ray, tm
             run_config=RunConfig(name="zero-resume", storage_path=str(tmp_path),
                                  checkpoint_config=CheckpointConfig(every_steps=8)),
             data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=max_steps),
-            strategy=ZERO, show_progress=False,
+            strategy=Strategy(zero=stage), show_progress=False,
         ).fit()
 
     first = run(3, 16)
@@ -273,7 +274,7 @@ def test_a_checkpoint_without_optimizer_shards_does_not_resume_a_zero_run(local_
 
     run(Strategy(), 8)
     with pytest.raises(TrainingFailedError, match=r"holds no sharded optimizer state: it was written without "
-                       r"Strategy\(zero=1\); resume it with the same strategy"):
+                       r"Strategy\(zero=1, 2 or 3\); resume it with the same strategy"):
         run(ZERO, MAX_STEPS)
 
 
