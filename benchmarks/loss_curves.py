@@ -45,6 +45,7 @@ VARIANTS = {
     "compress_bf16": Strategy(compression="bf16"),
     "powersgd_r4": Strategy(compression="powersgd:rank=4,start_iter=10"),
     "zero1": Strategy(zero=1),
+    "zero3": Strategy(zero=3),
     "local_sgd_h8": Strategy(sync="local_sgd:every=8"),
     "diloco_h8": Strategy(sync="diloco:every=8"),
 }

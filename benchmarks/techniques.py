@@ -13,13 +13,15 @@ Figures, per variant, each a median over the rounds with min, median and max und
 
 - techniques.step_ratio_vs_ddp.<variant>: the median steady step time (rank 0's gaps between
   committed steps past WARMUP_STEPS) over fp32 DDP's in the same round. Every variant steps
-  SGD, except zero1, which steps AdamW (ZeRO-1 needs optimizer state to shard) and is set
-  against DDP stepping AdamW;
+  SGD, except the ZeRO variants, which step AdamW (ZeRO needs optimizer state to shard) and
+  are set against DDP stepping AdamW;
 - techniques.comm_bytes_per_step_ratio.<variant>: bytes each rank handed to the collectives
   that keep the replicas in step (`ctx.communication["sync_bytes"]`, counted in the gradient
   hook, or DDP's gradient bytes without one, or local SGD's syncs) per step, over fp32 DDP's;
-- techniques_zero_state_bytes.<N>: zero1's AdamW state bytes per rank at N workers, its own
-  shard and its buddy copy, beside ZeRO-1's formula 8Ψ/N for each (Ψ parameters).
+- techniques.zero_state_over_formula.<stage>.<N>: the AdamW state bytes rank 0 holds under
+  zero=<stage> at N workers over the formula 8Ψ/N (Ψ parameters, fp32 exp_avg and exp_avg_sq);
+  `techniques_zero_state_bytes` has the bytes: own state, buddy copy, and under stages 2 and 3
+  the parameter shard (formula 4Ψ/N).
 
 The workload's labels are random, so its loss says nothing about a technique's accuracy; the
 tests compare losses on a regression task instead (tests/test_techniques.py).
@@ -53,6 +55,8 @@ VARIANTS = {
     "compress_bf16": elastic.Strategy(compression="bf16"),
     "powersgd_r4": elastic.Strategy(compression="powersgd:rank=4,start_iter=2"),
     "zero1": elastic.Strategy(zero=1),
+    "zero2": elastic.Strategy(zero=2),
+    "zero3": elastic.Strategy(zero=3),
     "local_sgd_h8": elastic.Strategy(sync="local_sgd:every=8"),
     "diloco_h8": elastic.Strategy(sync="diloco:every=8"),
 }
@@ -62,8 +66,8 @@ ZERO_STEPS = 8
 DEFINITIONS = {
     "techniques.step_ratio_vs_ddp": "median steady step time of the variant over fp32 DDP's, same round, 2 CPU workers",
     "techniques.comm_bytes_per_step_ratio": "bytes per step a rank hands to the replicas' sync collectives, over fp32 DDP's",
-    "techniques.zero_state_bytes": "AdamW state bytes per rank under zero=1 (own shard, buddy copy) at N workers, "
-                                   "beside ZeRO-1's formula 8*P/N for each (P parameters, fp32 exp_avg and exp_avg_sq)",
+    "techniques.zero_state_over_formula": "AdamW state bytes rank 0 holds under zero=<stage> at N workers over "
+                                          "ZeRO's formula 8*P/N (P parameters, fp32 exp_avg and exp_avg_sq)",
 }
 
 
@@ -79,11 +83,17 @@ def train_loop(config: dict[str, Any]) -> dict[str, Any]:
         inner = torch.optim.AdamW if ctx.strategy.zero else torch.optim.SGD
         optimizer = ctx.prepare_optimizer(inner(model.parameters(), lr=workload.LR))
     step_s = workload.train_elastic(ctx, model, optimizer, dataset)
-    state_bytes = (optimizer.state_bytes_per_rank() if ctx.strategy.zero else None)
+    state_bytes = None
+    if ctx.strategy.zero == 1:
+        held = optimizer.state_bytes_per_rank()
+        state_bytes = {"own": held.own, "buddy": held.buddy}
+    elif ctx.strategy.zero:
+        held = optimizer.state_bytes_per_rank()
+        state_bytes = {"own": held["optimizer"], "buddy": held["buddy"], "params": held["params"]}
     return {"step_s": step_s,
             "sync_bytes_per_step": ctx.communication["sync_bytes"] / max(1, ctx.step),
-            "state_bytes": {"own": state_bytes.own, "buddy": state_bytes.buddy} if state_bytes else None,
-            "parameters": sum(p.numel() for p in model.parameters())}
+            "state_bytes": state_bytes,
+            "parameters": sum(p.numel() for p in model.parameters())}  # a DTensor counts its whole shape
 
 
 def run_variant(strategy: elastic.Strategy, steps: int, storage: str, world_size: int = workload.WORLD_SIZE,
@@ -120,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             outcomes = {name: run_variant(strategy, steps, storage) for name, strategy in VARIANTS.items()}
             base = outcomes[BASELINE]
             adamw = run_variant(elastic.Strategy(), steps, storage, adamw=True)
-            zero = outcomes.pop("zero1")
-            figures.setdefault("techniques.step_ratio_vs_ddp.zero1", []).append(
-                zero["step_s"] / adamw["step_s"] if zero["step_s"] and adamw["step_s"] else None)
+            for stage in (1, 2, 3):
+                zero = outcomes.pop(f"zero{stage}")
+                figures.setdefault(f"techniques.step_ratio_vs_ddp.zero{stage}", []).append(
+                    zero["step_s"] / adamw["step_s"] if zero["step_s"] and adamw["step_s"] else None)
             for name, outcome in outcomes.items():
                 figures.setdefault(f"techniques.step_ratio_vs_ddp.{name}", []).append(
                     outcome["step_s"] / base["step_s"] if outcome["step_s"] and base["step_s"] else None)
@@ -131,19 +142,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {round_index + 1}/{rounds}: " + ", ".join(
                 f"{n} {o['step_s'] * 1e3:.1f} ms" for n, o in outcomes.items() if o["step_s"]), flush=True)
         zero_state = {}
-        for world_size in ZERO_WORLD_SIZES:
-            outcome = run_variant(VARIANTS["zero1"], ZERO_STEPS, storage, world_size=world_size)
-            formula = 8 * outcome["parameters"] / world_size
-            zero_state[str(world_size)] = {**outcome["state_bytes"], "formula_each": formula,
-                                           "own_over_formula": outcome["state_bytes"]["own"] / formula,
-                                           "replicated": 8 * outcome["parameters"]}
+        for stage in (1, 2, 3):
+            for world_size in ZERO_WORLD_SIZES:
+                outcome = run_variant(VARIANTS[f"zero{stage}"], ZERO_STEPS, storage, world_size=world_size)
+                formula = 8 * outcome["parameters"] / world_size
+                zero_state[f"zero{stage}.{world_size}"] = {**outcome["state_bytes"], "formula_each": formula,
+                                                           "own_over_formula": outcome["state_bytes"]["own"] / formula,
+                                                           "replicated": 8 * outcome["parameters"]}
+                figures[f"techniques.zero_state_over_formula.zero{stage}.{world_size}"] = [
+                    outcome["state_bytes"]["own"] / formula]
     ray.shutdown()
     command = command_line("benchmarks.techniques", argv)
     details = {"techniques_setup": {"steps": steps, "rounds": rounds, "world_size": workload.WORLD_SIZE,
                                     "variants": {name: s.model_dump() for name, s in VARIANTS.items()}},
                "techniques_zero_state_bytes": zero_state}
     merge_figures(args.out, figures, details, DEFINITIONS, command, time.time() - started)
-    print("zero=1 AdamW state bytes per rank:", zero_state)
+    print("ZeRO AdamW state bytes per rank:", zero_state)
     for key, values in sorted(figures.items()):
         present = [v for v in values if v is not None]
         print(f"{key:55s} {statistics.median(present):.4g}" if present else f"{key:55s} -")

@@ -304,6 +304,10 @@ class ShardedParamsOptimizer(torch.optim.Optimizer):
         self._owner.stepped()
         return loss
 
+    def state_bytes_per_rank(self) -> dict[str, int]:
+        """Bytes this rank holds: parameter shards, optimizer state shards, buddy copies of both."""
+        return self._owner.state_bytes_per_rank()
+
     def state_dict(self) -> dict[str, Any]:
         raise ElasticError("Under ZeRO-2/3 the optimizer state is sharded: checkpoints save it per rank")
 
