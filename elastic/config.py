@@ -232,8 +232,9 @@ _SYNC_OPTIONS = {
     "ddp": {},
     "local_sgd": {"every": int},
     "diloco": {"every": int, "outer_lr": float, "outer_momentum": float},
+    "easgd": {"every": int, "alpha": float},
 }
-_SYNC_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9}
+_SYNC_DEFAULTS = {"diloco": {"outer_lr": 0.7, "outer_momentum": 0.9}, "easgd": {"alpha": 0.1}}
 _COMPRESSION_OPTIONS = {"none": {}, "fp16": {}, "bf16": {}, "powersgd": {"rank": int, "start_iter": int}}
 
 
@@ -264,7 +265,9 @@ class Strategy(_Frozen):
     sync: str = Field(
         "ddp", description="'ddp': all-reduce gradients every step. 'local_sgd:every=H': average parameters "
         "every H steps. 'diloco:every=H,outer_lr=0.7,outer_momentum=0.9': every H steps an outer Nesterov SGD "
-        "steps on the averaged difference from the last sync. Rescales happen only at those syncs."
+        "steps on the averaged difference from the last sync. 'easgd:every=H,alpha=0.1': every H steps each rank "
+        "and a shared center move toward each other by alpha times their difference; the center is the model "
+        "checkpointed and returned. Rescales happen only at those syncs."
     )
 
     @field_validator("sync")
@@ -329,17 +332,19 @@ def parse_compression(text: str) -> dict[str, Any]:
 
 def parse_sync(text: str) -> dict[str, Any]:
     """'diloco:every=8,outer_lr=0.5' -> {"kind": "diloco", "every": 8, "outer_lr": 0.5, "outer_momentum": 0.9}."""
-    usage = "'ddp', 'local_sgd:every=H' or 'diloco:every=H[,outer_lr=X][,outer_momentum=X]'"
+    usage = "'ddp', 'local_sgd:every=H', 'diloco:every=H[,outer_lr=X][,outer_momentum=X]' or 'easgd:every=H[,alpha=X]'"
     parsed = _parse_options("sync", text, _SYNC_OPTIONS, usage)
     kind = parsed["kind"]
     if kind == "ddp":
         return parsed
     if "every" not in parsed or parsed["every"] < 1:
         raise ValueError(f"sync {text!r} needs every=H with H >= 1 steps between syncs, e.g. '{kind}:every=8'")
-    if kind == "diloco":
-        parsed = {**_SYNC_DEFAULTS, **parsed}
-        if parsed["outer_lr"] <= 0 or not 0 <= parsed["outer_momentum"] < 1:
-            raise ValueError(f"sync {text!r}: outer_lr must be > 0 and 0 <= outer_momentum < 1")
+    parsed = {**_SYNC_DEFAULTS.get(kind, {}), **parsed}
+    if kind == "diloco" and (parsed["outer_lr"] <= 0 or not 0 <= parsed["outer_momentum"] < 1):
+        raise ValueError(f"sync {text!r}: outer_lr must be > 0 and 0 <= outer_momentum < 1")
+    if kind == "easgd" and not 0 < parsed["alpha"] <= 1:
+        raise ValueError(f"sync {text!r}: alpha must be in (0, 1], the share of its distance to the center each "
+                         "rank moves at a sync; the paper's is 0.9 / N for N ranks, e.g. 'easgd:every=8,alpha=0.1'")
     return parsed
 
 

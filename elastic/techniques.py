@@ -6,10 +6,11 @@ compression, powersgd, zero, local_sgd). The points:
 
 - preparing the model and the optimizer: which objects exist and how their state is synced;
 - a step's commit or failure: PowerSGD keeps a step's changes only if it commits;
-- a formation, before and after the replicated sync: local SGD rolls back to its last sync,
-  per-rank state is averaged over the ranks that held it, ZeRO's shards are resharded;
-- a checkpoint: which state is written (local SGD: its last sync's), with per-rank state
-  averaged so that every rank's slice fits the others'.
+- a formation, before and after the replicated sync: local SGD rolls back to its last sync
+  (and EASGD's ranks restart from the center), per-rank state is averaged over the ranks that
+  held it, ZeRO's shards are resharded;
+- a checkpoint: which state is written (local SGD: its last sync's; EASGD: the center as the
+  model), with per-rank state averaged so that every rank's slice fits the others'.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class Techniques:
         casting = strategy.compression if strategy.compression in ("fp16", "bf16") else "none"
         # What DDP's gradient hook does to each bucket (PowerSGD once the model is prepared).
         self.codec: GradientCompression | PowerSGD = GradientCompression(casting)
-        self.outer: OuterSync | None = None  # local SGD / DiLoCo
+        self.outer: OuterSync | None = None  # local SGD / DiLoCo / EASGD
         self.zero: ShardedOptimizer | None = None  # ZeRO-1
         self.sharded: FullyShardedModel | None = None  # ZeRO-2/3
         self.backup = Backup()  # local SGD's state at its last sync
@@ -120,7 +121,7 @@ class Techniques:
 
     def outer_sync(self, objects: dict[str, Any], progress: dict[str, Any]) -> None:
         """Local SGD's sync after committed step `progress["step"]`; raises if a peer died in it."""
-        self.outer.sync()
+        self.outer.sync(progress["step"])
         self.backup.take(objects, progress)
 
     def communication(self) -> dict[str, int]:
@@ -144,7 +145,8 @@ class Techniques:
     def after_sync(self, held: Held, objects: dict[str, Any], progress: dict[str, Any], holds_state: bool,
                    resume_from: Checkpoint | None) -> None:
         """Average per-rank state over its holders and reshard ZeRO's at the synced step
-        (`progress`); collectives every rank of the generation calls."""
+        (`progress`), and start EASGD's ranks from the center; collectives every rank of the
+        generation calls."""
         same_step = holds_state and held.progress["step"] == progress["step"]
         for name, (get, put) in self._per_rank().items():
             put(average_over_holders(get(), held.per_rank[name] if same_step else None, self.device))
@@ -158,6 +160,7 @@ class Techniques:
                 self.sharded.check_pieces(pieces)
             self.sharded.form(held.position, steps=progress["step"], pieces=pieces)
         if self.outer is not None:
+            self.outer.start_from_center()
             self.backup.take(objects, progress)
 
     def _per_rank(self) -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
@@ -183,6 +186,7 @@ class Techniques:
             states, progress = self.backup.states()  # a run resumes at a sync
             if progress["step"] == self._last_checkpointed:
                 return None
+            states["model"] = self.outer.model_to_checkpoint(states["model"], states["outer_sync"])
         else:
             states = {name: state_of(obj) for name, obj in objects.items()}
         for name, key in self._per_rank_keys():

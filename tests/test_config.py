@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy, parse_fault
 from elastic.checkpoint import Checkpoint
-from elastic.config import check_fits
+from elastic.config import check_fits, parse_sync
 from elastic.errors import ElasticError
 from elastic.storage import RunStorage, StorageError
 
@@ -269,10 +269,20 @@ def test_resuming_from_a_folder_that_is_not_a_checkpoint_fails_before_anything_s
     ("diloco:every=x", r"sync 'diloco:every=x': every='x' is not an integer"),
     ("diloco:every=8,lr=1", r"diloco takes no option 'lr'"),
     ("diloco:every=8,outer_momentum=1", r"outer_lr must be > 0 and 0 <= outer_momentum < 1"),
+    ("easgd:every=4,alpha=0", r"sync 'easgd:every=4,alpha=0': alpha must be in \(0, 1\], the share of its distance "
+                              r"to the center each rank moves at a sync"),
+    ("easgd:every=4,alpha=1.5", r"alpha must be in \(0, 1\]"),
+    ("easgd:every=4,outer_lr=1", r"easgd takes no option 'outer_lr'"),
 ])
 def test_a_sync_spec_that_does_not_parse_is_rejected_naming_the_forms_it_takes(sync, problem):
     with pytest.raises(ValidationError, match=problem):
         Strategy(sync=sync)
+
+
+def test_an_easgd_spec_parses_to_its_interval_and_alpha_which_defaults_to_0_1():
+    assert parse_sync("easgd:every=4,alpha=0.2") == {"kind": "easgd", "every": 4, "alpha": 0.2}
+    assert parse_sync("easgd:every=8") == {"kind": "easgd", "every": 8, "alpha": 0.1}
+    assert Strategy(sync="easgd:every=4,alpha=1").sync_options["alpha"] == 1.0
 
 
 def test_techniques_that_do_not_combine_are_rejected_saying_why():

@@ -4,11 +4,13 @@
 as synced state: each committed step all-reduces the count of every sample its ranks
 processed and adds it to the row of the step's epoch. At the first step of every generation
 it checks that all ranks hold bit-identical synced state (model, optimizer, ledger and the
-technique's), and raises if not, which fails the run. With `check_collectives` it checks
-every collective of `ctx.collectives` against the answer it computes from the world size;
+technique's; under EASGD, a model equal to the center), and raises if not, which fails the
+run. With `check_collectives` it checks every collective of `ctx.collectives` against the
+answer it computes from the world size;
 with `inf_at=(rank, step)` that rank's loss is inf at that step, and it checks that every
 rank skipped the step (fp16 loss scaling). Under local SGD it checks after every sync that
-the model and the outer state are the same on every rank.
+the model and the outer state are the same on every rank; under EASGD, whose ranks keep their
+own parameters between syncs, the center after every sync and the model after the last.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def regression_loop(config: dict) -> dict:
             if config.get("check_collectives"):
                 collectives_checked.add(check_collectives(ctx.collectives, ctx.rank))
             if sync_every and step.index and step.index % sync_every == 0:
-                check_synced(ctx, synced_at)  # decided by the step index alone: every rank calls it
+                # Decided by the step index alone: every rank calls it.
+                check_synced(ctx, synced_at, model_alike=ctx.strategy.sync_options["kind"] != "easgd")
             check_alike_when_formed(ctx, checked)
             time.sleep(config.get("compute_s", 0.0))  # a slow step's compute, inside the step
             if step.index == config.get("mismatch_at"):
@@ -258,23 +261,31 @@ def workers_started(count: int):
 
 
 def check_alike_when_formed(ctx, checked: list[int]) -> None:
-    """At a generation's first step, raise unless every rank holds bit-identical synced state;
-    `checked` collects the generations checked."""
+    """At a generation's first step, raise unless every rank holds bit-identical synced state
+    (under EASGD, with the model equal to the center); `checked` collects the generations
+    checked."""
     if checked and checked[-1] == ctx.generation:
         return
+    state = ctx.synced_state()
     digests = [None] * ctx.world_size
-    dist.all_gather_object(digests, state_digest(*ctx.synced_state().values()))
+    dist.all_gather_object(digests, state_digest(*state.values()))
     if len(set(digests)) != 1:
         raise AssertionError(f"ranks differ after generation {ctx.generation} formed: {digests}")
+    if ctx.strategy.sync_options["kind"] == "easgd":
+        params = state["model"].values()  # build_mlp's state: its parameters, in order
+        if not all(torch.equal(p, c) for p, c in zip(params, state["outer_sync"]["anchor"], strict=True)):
+            raise AssertionError(f"generation {ctx.generation} did not start every rank from EASGD's center")
     checked.append(ctx.generation)
 
 
-def check_synced(ctx, synced_at: list[int]) -> None:
-    """Right after a local SGD sync: the model, the outer optimizer and the last-sync
-    parameters must be the same on every rank. Records the step."""
+def check_synced(ctx, synced_at: list[int], model_alike: bool = True) -> None:
+    """Right after a local SGD sync: the outer optimizer and the last-sync parameters (EASGD's
+    center) must be the same on every rank, and so must the model if `model_alike`. Records the
+    step."""
     state = ctx.synced_state()
     digests = [None] * ctx.world_size
-    dist.all_gather_object(digests, state_digest(state["model"], state["outer_sync"]))
+    alike = (state["model"], state["outer_sync"]) if model_alike else (state["outer_sync"],)
+    dist.all_gather_object(digests, state_digest(*alike))
     if len(set(digests)) != 1:
         raise AssertionError(f"ranks differ after the sync at step {ctx.step}: {digests}")
     synced_at.append(ctx.step)
