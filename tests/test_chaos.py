@@ -6,8 +6,8 @@ trains to the end. Then it must hold that: the run completed; the per-sample led
 every sample of every epoch exactly once; the parameters equal a fault-free fixed-size run's
 within 1e-9 (float64); every checkpoint with a manifest verifies; goodput is reported.
 
-    pytest tests/test_chaos.py                 # the short form, 4 runs x 5 faults, in CI
-    pytest -m soak tests/test_chaos.py         # the long soak, 20 more seeds
+    pytest tests/test_chaos.py                 # the short form, 2 runs x 5 faults, in CI
+    pytest -m soak tests/test_chaos.py         # 2 more short seeds and the long soak, 20 more
 """
 
 import random
@@ -24,7 +24,9 @@ MAX_STEPS = 12 * STEPS_PER_EPOCH
 FAULT_SLOTS = range(16, MAX_STEPS, 16)  # checkpoint steps (every 8), a few seconds apart
 CHECKPOINT_EVERY = 8
 PARAM_TOLERANCE = 1e-9
-SHORT_SEEDS = [0, 1, 2, 3]
+# Seeds 0 and 1 together draw every kind (each seed misses one); 2 and 3 run under -m soak
+# for the suite's time on 2 cores.
+SHORT_SEEDS = [0, 1, pytest.param(2, marks=pytest.mark.soak), pytest.param(3, marks=pytest.mark.soak)]
 SOAK_SEEDS = list(range(100, 120))
 
 
