@@ -187,6 +187,9 @@ class TrainContext:
         self._model = ElasticDDP(self, model)
         self._objects["model"] = model
         self.techniques.prepare_model(model, self._objects)
+        if self.techniques.sharded is not None:
+            # Each generation's FSDP2 module replaces the last one as the prepared model's `module`.
+            self.techniques.sharded.on_rebuilt = lambda module: setattr(self._model, "module", module)
         return self._model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -540,8 +543,6 @@ class TrainContext:
         self.techniques.after_sync(held, self._objects, progress, holds_state,
                                    spec.resume_from if spec.restart else None)
         if self._model is not None:
-            if self.techniques.sharded is not None:
-                self._model.module = self.techniques.sharded.module  # this generation's FSDP2 module
             self._model.ddp = self._wrap(self._model.module)
         # The hang check compares these across the members of one generation: count afresh.
         self._entered_sync = self._launched = 0

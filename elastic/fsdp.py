@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from elastic.errors import ElasticError
 from elastic.group import is_peer_failure
-from elastic.shard_plan import Layout, ShardPosition, agreed_history, plan_reshard
+from elastic.shard_plan import Layout, ShardLostError, ShardPosition, plan_reshard, scalars_at
 from elastic.shard_transfer import Holding, Placement, assemble, move, refresh_buddies, wants_piece
 
 PARAM = "param"  # the holding's name for the parameters beside the optimizer's state names
@@ -70,18 +71,24 @@ class FullyShardedModel:
         self._layout = Layout.rows([p.shape for p in params])
         self._dtype, self._device = params[0].dtype, params[0].device
         self.optimizer: ShardedParamsOptimizer | None = None
+        self.on_rebuilt: Callable[[nn.Module], None] | None = None  # told of each generation's module
         self._params: list[DTensor] = []  # the sharded parameters (FSDP2 swaps in unsharded ones while gathered)
         self._placement: Placement | None = None
         self._group: dist.ProcessGroup | None = None
         self._buddies: dict[int, Holding] = {}
         self._steps = 0
         self._buddy_steps = 0
+        self._buddy_scalars: dict[str, Any] = {}  # the optimizer's non-sharded entries as of the buddy copies
         self._forming = False
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> "ShardedParamsOptimizer":
         """The optimizer the loop steps: `optimizer`'s class and hyperparameters over the shards."""
         if self.optimizer is not None:
             raise ElasticError("FullyShardedModel.adopt() was called twice; it shards one optimizer")
+        given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if self._initial is not None and given != {id(p) for p in self._initial.parameters()}:
+            raise ElasticError("Under ZeRO-2/3 the optimizer must step every parameter of the prepared model "
+                               "(FSDP2 shards them all together): build it over model.parameters()")
         self.optimizer = ShardedParamsOptimizer(optimizer, self)
         return self.optimizer
 
@@ -101,37 +108,51 @@ class FullyShardedModel:
         or a restart). `pieces` are a checkpoint's (`sharded_state_dict()` of its ranks) to
         restart from when nobody holds shards.
         """
+        if isinstance(self.module, FSDPModule):
+            self.module.reshard()  # a step that broke off may have left whole units gathered: free them
         own = self._own() if previous is not None else {}
         members: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(members, {
             "position": previous, "initial": self._initial is not None,
+            "layout": (self._layout.segments, self.replicas),
             "dtypes": {name: t.dtype for name, t in own.items()} if previous is not None else None,
             "scalars": self._scalars() if previous is not None else None,
+            "buddy_scalars": self._buddy_scalars if previous is not None else None,
         }, group=group)
+        layouts = {m["layout"] for m in members}
+        if len(layouts) > 1:
+            raise ElasticError(f"The ranks shard different models or keep different replicas: {sorted(layouts)}; "
+                               "every rank must prepare the same model with the same Strategy")
         positions = [m["position"] for m in members]
         me, size = dist.get_rank(group), dist.get_world_size(group)
         placement = Placement(self._layout, size, me)
         self._forming = True
         holder = next((m for m in members if m["position"] is not None), None)
         if holder is not None:
-            agreed_history(positions, steps_may_differ=True)
             transfers = plan_reshard(self._layout, positions, [False] * size, self.replicas, steps)
             received, buddies = move(transfers, me, self._placement, placement, own, self._buddies,
                                      holder["dtypes"], self.replicas, self._device, group)
-            scalars = holder["scalars"]
+            scalars = scalars_at(members, steps)
         elif pieces:
             dtypes = {name: t.dtype for name, t in pieces[0]["tensors"].items()}
             received = assemble(pieces, placement, me, dtypes, self._device)
             buddies = {k: assemble(pieces, placement, k, dtypes, self._device) for k in placement.buddies(self.replicas)}
             scalars, steps = pieces[0]["scalars"], pieces[0]["steps"]
+        elif steps == 0:
+            (received, buddies), scalars = self._cut_initial(members, placement, group), {}
         else:
-            received, buddies, scalars = self._cut_initial(members, placement, group), {}, {}
+            # Every holder's last formation broke off midway: the state of step `steps` is gone.
+            raise ShardLostError(f"No rank holds ZeRO-{self.stage}'s shards of step {steps} (a formation broke off "
+                                 "on every holder); the run must restart from a checkpoint")
         self._install(placement, received, buddies, scalars, group)
         self._steps = self._buddy_steps = steps
+        self._buddy_scalars = scalars
         self._forming = False
 
-    def _cut_initial(self, members: list[Any], placement: Placement, group: dist.ProcessGroup | None) -> Holding:
-        """Nobody holds shards: spread the initial weights of the lowest rank that has them, and cut."""
+    def _cut_initial(self, members: list[Any], placement: Placement,
+                     group: dist.ProcessGroup | None) -> tuple[Holding, dict[int, Holding]]:
+        """Nobody holds shards at step 0: spread the initial weights of the lowest rank that has
+        them, and cut this rank's shard and its buddy copies."""
         source = next((g for g, m in enumerate(members) if m["initial"]), None)
         if source is None:
             raise ElasticError(
@@ -143,8 +164,11 @@ class FullyShardedModel:
         else:
             flat = torch.cat([p.detach().reshape(-1) for p in self._initial.parameters()])
         dist.broadcast(flat, group_src=source, group=group)
-        return {PARAM: torch.cat([flat[start:stop] for start, stop in
-                                  self._layout.spans(placement.world_size, placement.rank)])}
+
+        def cut(rank: int) -> Holding:
+            return {PARAM: torch.cat([flat[a:b] for a, b in self._layout.spans(placement.world_size, rank)])}
+
+        return cut(placement.rank), {k: cut(k) for k in placement.buddies(self.replicas)}
 
     def _install(self, placement: Placement, own: Holding, buddies: dict[int, Holding],
                  scalars: dict[str, Any], group: dist.ProcessGroup | None) -> None:
@@ -156,25 +180,35 @@ class FullyShardedModel:
         fully_shard(module, mesh=mesh, reshard_after_forward=self.stage == 3)
         module.to_empty(device=self._device)
         with torch.no_grad():
-            for (name, buffer), old in zip(module.named_buffers(), self.module.buffers()):
+            for buffer, old in zip(module.buffers(), self.module.buffers()):
                 buffer.copy_(old)
             params = list(module.parameters())
             for param, piece in zip(params, _split(own[PARAM], params)):
                 param.to_local().copy_(piece)
+        old = [self.module, self._params, self.optimizer.inner if self.optimizer else None]
         self.module, self._params = module, params
         self._placement, self._buddies, self._group = placement, buddies, group
         if self._initial is not None:
-            self._initial.to("meta")  # its weights are in the shards now: free them
+            _free(self._initial)  # its weights are in the shards now
             self._initial = None
         if self.optimizer is not None:
             self.optimizer.rebuild(params, {name: t for name, t in own.items() if name != PARAM}, scalars)
+        if self.on_rebuilt is not None:
+            self.on_rebuilt(module)
+        # The old module, its parameters and optimizer state hold the old group through their
+        # mesh: let their last reference go on a thread of its own, as `group.leave_group` does.
+        threading.Thread(target=old.clear, name="elastic-leave-fsdp").start()
 
     # --- a step ------------------------------------------------------------------------
     def stepped(self) -> None:
-        """After the optimizer stepped the shards: the step is taken; refresh the buddy copies."""
+        """After the optimizer stepped the shards: the step is taken; refresh the buddy copies.
+
+        A peer lost during the refresh leaves the copies half received: they count for nothing,
+        but the step commits (the shards stepped in place). The dead rank's new state then lives
+        nowhere, so the heal reports it lost and the run restarts from a checkpoint: a death
+        between the gradients' reduce-scatter and the end of the refresh costs a restart.
+        """
         self._steps += 1
-        # A peer lost during the refresh leaves the copies half received: they count for nothing,
-        # but the step commits and the heal that follows finds the pieces elsewhere.
         self._buddy_steps = -1
         try:
             refresh_buddies(self._placement, self._own(), self._buddies, self.replicas, self._group)
@@ -182,7 +216,7 @@ class FullyShardedModel:
             if not is_peer_failure(exc):
                 raise
             return
-        self._buddy_steps = self._steps
+        self._buddy_steps, self._buddy_scalars = self._steps, self._scalars()
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
         """Reduce-scatter the gradients in this backward (the last micro-batch) or accumulate."""
@@ -191,17 +225,17 @@ class FullyShardedModel:
 
     # --- checkpoints and sizes ----------------------------------------------------------
     def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's shards (parameters and optimizer state) for a checkpoint; live tensors."""
+        """This rank's shards (parameters and optimizer state) for a checkpoint."""
         placement = self._require_placement()
-        return {"numel": self._layout.numel, "segments": [list(s) for s in self._layout.segments],
+        return {"numel": self._layout.numel, "segments": [list(seg) for seg in self._layout.segments],
                 "steps": self._steps, "spans": [list(s) for s in self._layout.spans(placement.world_size,
                                                                                     placement.rank)],
                 "tensors": self._own(), "scalars": self._scalars()}
 
     def wants_piece(self, rank: int, world_size: int) -> bool:
-        """Whether a checkpoint piece of `rank` of `world_size` overlaps what this rank holds or
-        will hold in the current group (before `form`, in WORLD's layout)."""
-        placement = self._placement or Placement(self._layout, dist.get_world_size(), dist.get_rank())
+        """Whether a checkpoint piece of `rank` of `world_size` overlaps what this rank will hold
+        in the current group (WORLD): call it before `form` lays the state out there."""
+        placement = Placement(self._layout, dist.get_world_size(), dist.get_rank())
         return wants_piece(placement, self.replicas, rank, world_size)
 
     def check_pieces(self, pieces: Sequence[dict[str, Any]]) -> None:
@@ -284,8 +318,11 @@ class ShardedParamsOptimizer(torch.optim.Optimizer):
         if not own:
             return
         pieces = {name: _split(flat, params) for name, flat in own.items()}
+        group = self.inner.param_groups[0]
+        # torch.optim keeps a tensor `step` on the parameter's device only if capturable or fused.
+        device = params[0].device if group.get("capturable") or group.get("fused") else torch.device("cpu")
         for i, param in enumerate(params):
-            state = {name: v.clone() if torch.is_tensor(v) else v for name, v in scalars.items()}
+            state = {name: v.to(device, copy=True) if torch.is_tensor(v) else v for name, v in scalars.items()}
             for name, split in pieces.items():
                 state[name] = DTensor.from_local(split[i].clone(), param.device_mesh, param.placements,
                                                  run_check=False, shape=param.shape, stride=param.stride())
@@ -299,6 +336,10 @@ class ShardedParamsOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        missing = [i for i, p in enumerate(self.param_groups[0]["params"]) if p.grad is None]
+        if missing:
+            raise ElasticError(f"Parameters {missing} have no gradient: ZeRO steps every parameter at every step "
+                               "(their optimizer state is sharded with the others'); give them zero gradients")
         self.inner.param_groups[0].update({k: v for k, v in self.param_groups[0].items() if k != "params"})
         self.inner.step()
         self._owner.stepped()
@@ -307,6 +348,12 @@ class ShardedParamsOptimizer(torch.optim.Optimizer):
     def state_bytes_per_rank(self) -> dict[str, int]:
         """Bytes this rank holds: parameter shards, optimizer state shards, buddy copies of both."""
         return self._owner.state_bytes_per_rank()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_owner", None) is not None:
+            raise ElasticError("Under ZeRO-2/3 the optimizer steps every parameter in one group; add every "
+                               "parameter to the wrapped optimizer before preparing it")
+        super().add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
         raise ElasticError("Under ZeRO-2/3 the optimizer state is sharded: checkpoints save it per rank")
@@ -329,6 +376,13 @@ def _check_shardable(module: nn.Module, params: list[torch.Tensor]) -> None:
     frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
     if frozen:
         raise ElasticError(f"Parameters {frozen} do not require grad; ZeRO-2/3 steps every parameter")
+
+
+def _free(module: nn.Module) -> None:
+    """Release the storage of `module`'s weights in place: the objects stay (the user's optimizer
+    may still hold them), their data goes."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        tensor.data = tensor.data.new_empty(0)
 
 
 def _on_meta(module: nn.Module) -> nn.Module:
@@ -372,4 +426,5 @@ def _aligned(states: list[dict[str, Any]], params: list[torch.Tensor]) -> list[s
     if not states or not states[0]:
         return []
     return sorted(name for name, value in states[0].items()
-                  if isinstance(value, DTensor) and value.shape == params[0].shape)
+                  if isinstance(value, DTensor) and value.shape == params[0].shape
+                  and all(isinstance(state.get(name), DTensor) for state in states))

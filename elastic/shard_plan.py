@@ -147,6 +147,19 @@ def agreed_history(positions: Sequence[ShardPosition | None],
     return world_size, steps
 
 
+def scalars_at(members: Sequence[dict], steps: int | None) -> dict:
+    """The optimizer's non-sharded entries (Adam's `step`) as of `steps`, from the members'
+    reports: a holder's own ("scalars") if its own shard is of that step, else those it kept with
+    its buddy copies ("buddy_scalars"). After a death inside a step the survivors' own state
+    may be a step ahead of the step the group resumes at."""
+    held = [m for m in members if m["position"] is not None]
+    for kind, key in (("own", "scalars"), ("buddies", "buddy_scalars")):
+        for member in held:
+            if steps is None or kind in member["position"].holds(steps):
+                return member[key]
+    return held[0]["scalars"] if held else {}
+
+
 def plan_reshard(
     layout: Layout, positions: Sequence[ShardPosition | None], leaving: Sequence[bool], replicas: int,
     steps: int | None = None,

@@ -23,7 +23,6 @@ import torch
 from elastic.checkpoint import Checkpoint
 from elastic.compression import GradientCompression
 from elastic.config import Strategy
-from elastic.fsdp import FullyShardedModel, ShardedBuffers
 from elastic.local_sgd import Backup, OuterSync
 from elastic.powersgd import PowerSGD
 from elastic.precision import Precision
@@ -54,7 +53,7 @@ class Techniques:
         self.codec: GradientCompression | PowerSGD = GradientCompression(casting)
         self.outer: OuterSync | None = None  # local SGD / DiLoCo / EASGD
         self.zero: ShardedOptimizer | None = None  # ZeRO-1
-        self.sharded: FullyShardedModel | None = None  # ZeRO-2/3
+        self.sharded: Any = None  # ZeRO-2/3: a FullyShardedModel
         self.backup = Backup()  # local SGD's state at its last sync
         self._max_steps = max_steps
         self._seed = seed
@@ -67,6 +66,9 @@ class Techniques:
         """Create what works on `model`, registering its replicated state in `objects`."""
         self._gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         if self.strategy.zero >= 2:
+            # FSDP2 (torch >= 2.6) is imported only by the runs that use it.
+            from elastic.fsdp import FullyShardedModel, ShardedBuffers
+
             self.sharded = FullyShardedModel(model, self.strategy.zero, self.strategy.zero_replicas)
             objects["model"] = ShardedBuffers(self.sharded)  # the parameters are sharded, not synced whole
         if self.strategy.sync_options["kind"] != "ddp":
@@ -138,7 +140,7 @@ class Techniques:
         if holds_state and self.outer is not None and self.backup.step not in (None, progress["step"]):
             restored = self.backup.restore(objects)
             rolled_back, progress = progress["step"] - restored["step"], restored
-        sharded = self.zero or self.sharded
+        sharded = self.zero if self.zero is not None else self.sharded
         return Held(progress, rolled_back, {name: get() for name, (get, _) in self._per_rank().items()},
                     sharded.position if sharded is not None and holds_state else None)
 
@@ -151,7 +153,7 @@ class Techniques:
         for name, (get, put) in self._per_rank().items():
             put(average_over_holders(get(), held.per_rank[name] if same_step else None, self.device))
         if self.zero is not None:
-            self.zero.reshard(held.position, steps=progress["step"])
+            self.zero.reshard(held.position, steps=progress["step"], restoring=resume_from is not None)
             if resume_from is not None:
                 self.zero.load_sharded(resume_from.load_optimizer_shards(self.zero.wants_piece))
         if self.sharded is not None:
@@ -197,7 +199,7 @@ class Techniques:
 
     def optimizer_shard(self) -> dict[str, Any] | None:
         """A copy of this rank's part of ZeRO's sharded state, for the checkpoint's writer."""
-        sharded = self.zero or self.sharded
+        sharded = self.zero if self.zero is not None else self.sharded
         return _copied(sharded.sharded_state_dict()) if sharded is not None else None
 
     def _per_rank_keys(self) -> list[tuple[str, str]]:

@@ -86,6 +86,7 @@ class ElasticTrainer:
         self.data_config = data_config
         self.strategy = strategy or Strategy()
         check_strategy_fits(self.strategy, run_config.checkpoint_config)
+        _check_faults_fire(self.faults, self.strategy)
         self.address = address or os.environ.get("RAY_ADDRESS")
         self.show_progress = show_progress
 
@@ -158,6 +159,17 @@ class ElasticTrainer:
                     f"{per_worker}, but ScalingConfig(min_workers={self.scaling_config.min_workers}); lower "
                     "min_workers or resources_per_worker, or add nodes"
                 )
+
+
+def _check_faults_fire(faults: list[Fault], strategy: Strategy) -> None:
+    """Faults that act inside DDP's gradient all-reduce never fire where no DDP runs."""
+    replaced = (f"zero={strategy.zero}" if strategy.zero >= 2 else
+                f"sync={strategy.sync!r}" if strategy.sync_options["kind"] != "ddp" else None)
+    inside = [f.spec() for f in faults if f.point == "allreduce"]
+    if replaced and inside:
+        raise ElasticError(f"faults {inside} act inside DDP's gradient all-reduce, which {replaced} does not run "
+                           "(it syncs another way), so they would never fire; inject them at the step start "
+                           "(drop where=allreduce; a hang has no other point)")
 
 
 def _check_travels(value: Any, where: str, fix: str, round_trip: bool = False) -> None:

@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from elastic.errors import ElasticError
 from elastic.group import is_peer_failure
-from elastic.shard_plan import Layout, ShardPosition, agreed_history, plan_reshard
+from elastic.shard_plan import Layout, ShardLostError, ShardPosition, agreed_history, plan_reshard, scalars_at
 from elastic.shard_transfer import Placement, assemble, move, refresh_buddies, wants_piece
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; pyproject allows torch 2.4.
@@ -116,6 +116,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._buddies: dict[int, dict[str, torch.Tensor]] = {}
         self._steps = 0  # steps taken by this rank's own shard of the state
         self._buddy_steps = 0  # ... and by its buddy copies; -1 while (or after) they are being refreshed
+        self._buddy_scalars: dict[str, Any] = {}  # the optimizer's non-sharded entries as of the buddy copies
         self._resharding = False
 
     @property
@@ -127,14 +128,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return ShardPosition(self._layout.rank, self._layout.world_size, self._steps, self._buddy_steps)
 
     def reshard(self, previous: ShardPosition | None, group: dist.ProcessGroup | None = None,
-                leaving: bool = False, steps: int | None = None) -> None:
+                leaving: bool = False, steps: int | None = None, restoring: bool = False) -> None:
         """Lay the state out over `group` (default: WORLD); a collective of all its ranks.
 
         `previous` is this process's `position` before the group changed, or None to hold
         nothing (a newcomer). With `leaving=True` this rank only sends and ends up holding
         nothing; the staying ranks then call `bind` on their smaller group. `steps` is the step
         the group resumes at (default: the one the holders agree on): after a death inside a
-        step, only the copies of the state after that many steps are used.
+        step, only the copies of the state after that many steps are used. If nobody holds state
+        at a `steps` past 0, it was lost (every holder's last reshard broke off) and
+        `ShardLostError` is raised, unless `restoring` says `load_sharded` follows.
         """
         if previous is not None and previous != self.position:
             raise ElasticError(f"reshard(previous={previous}) but this optimizer holds {self.position}; "
@@ -146,6 +149,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "position": previous, "leaving": leaving, "numel": self._numel, "replicas": self._replicas,
             "dtypes": {name: own[name].dtype for name in names} if previous is not None else None,
             "scalars": _export_scalars(own, names) if previous is not None else None,
+            "buddy_scalars": self._buddy_scalars if previous is not None else None,
         }, group=group)
         for key in ("numel", "replicas"):
             values = [m[key] for m in members]
@@ -157,6 +161,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ElasticError("Every rank passed leaving=True; at least one rank must keep the state")
         positions = [m["position"] for m in members]
         history = agreed_history(positions)
+        if history is None and steps and not restoring:
+            raise ShardLostError(f"No rank holds ZeRO-1's optimizer shards of step {steps} (a reshard broke off on "
+                                 "every holder); the run must restart from a checkpoint")
         holder = next((m for m in members if m["position"] is not None), None)
         dtypes = holder["dtypes"] if holder else {}
         transfers = plan_reshard(Layout.flat(self._numel), positions, [m["leaving"] for m in members],
@@ -166,7 +173,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         layout = None if leaving else _placement(self._numel, len(stayers), stayers.index(me))
         received, buddies = move(transfers, me, self._layout, layout, own, self._buddies, dtypes, self._replicas,
                                  self._params[0].device, group)
-        self._install(layout, received, buddies, holder["scalars"] if holder else {},
+        self._install(layout, received, buddies, scalars_at(members, steps),
                       steps if steps is not None else (history[1] if history else 0))
         self._resharding = False
         self._group = group
@@ -220,6 +227,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 raise
             return loss
         self._buddy_steps = self._steps
+        self._buddy_scalars = _export_scalars(own, _aligned_names(own, self._shard))
         return loss
 
     def skip_step(self) -> None:
@@ -300,6 +308,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _install(self, layout: Placement | None, own: dict[str, torch.Tensor],
                  buddies: dict[int, dict[str, torch.Tensor]], scalars: dict[str, Any], steps: int) -> None:
         self._layout, self._buddies, self._steps, self._buddy_steps = layout, buddies, steps, steps
+        self._buddy_scalars = scalars
         if layout is None:
             self._padded = self._shard = self._inner = None
             return

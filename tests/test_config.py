@@ -1,5 +1,6 @@
 """Bad configs are rejected before any actor starts, with messages that name the field."""
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -324,6 +325,18 @@ def test_zero_with_a_technique_it_does_not_combine_with_is_rejected_saying_why()
     with pytest.raises(ValidationError, match=r"zero\n  Input should be 0, 1, 2 or 3"):
         Strategy(zero=4)
     assert Strategy(zero=1, precision="fp16").zero == 1
+
+
+@pytest.mark.parametrize("strategy, named", [(Strategy(zero=3), "zero=3"),
+                                             (Strategy(sync="diloco:every=8"), "sync='diloco:every=8'")])
+def test_faults_inside_the_gradient_all_reduce_are_refused_where_no_ddp_runs(tmp_path, strategy, named):
+    with pytest.raises(ElasticError, match=rf"faults \['kill:rank=1,step=5,where=allreduce', 'hang:rank=0,step=6'\] "
+                       rf"act inside DDP's gradient all-reduce, which {re.escape(named)} does not run"):
+        ElasticTrainer(lambda: None, scaling_config=ScalingConfig(min_workers=2, max_workers=2),
+                       run_config=RunConfig(name="x", storage_path=str(tmp_path)),
+                       data_config=DataConfig(global_batch_size=8, micro_batch_size=8, max_steps=24),
+                       strategy=strategy, faults=[Fault(kind="kill", rank=1, step=5, where="allreduce"),
+                                                  Fault(kind="hang", rank=0, step=6)])
 
 
 def test_a_checkpoint_schedule_off_the_local_sgd_interval_is_rejected_with_one_that_fits(tmp_path):

@@ -34,7 +34,7 @@ class _Run:
     """A model under FullyShardedModel and a plain copy stepped on the whole batch."""
 
     def __init__(self, stage: int, replicas: int = 1) -> None:
-        model = _mlp()
+        model = self.given = _mlp()
         self.reference = copy.deepcopy(model)
         self.plain = torch.optim.AdamW(self.reference.parameters(), lr=1e-2, weight_decay=0.1)
         self.sharded = FullyShardedModel(model, stage=stage, replicas=replicas)
@@ -83,10 +83,17 @@ def _grow_die_resume(process, port, stage, folder, results):
     """2 ranks; a newcomer makes 3; checkpoint; rank 1 dies, 2 go on; a fresh pair resumes the checkpoint."""
     store = _client(port)
     run = _Run(stage)
+    # All 3 cut the initial weights; rank 2 dies before the first step: its shard of the initial
+    # weights comes from rank 0's buddy copy. It comes back later as a newcomer holding nothing.
+    _join(store, 0, process, 3)
+    run.sharded.form(None, steps=0)
+    results[("freed", process)] = all(t.numel() == 0 for t in run.given.parameters())
     previous = None
     if process < 2:
-        _join(store, 0, process, 2)
-        run.sharded.form(None, steps=0)
+        previous = run.sharded.position
+        _join(store, 10, process, 2)
+        run.sharded.form(previous, steps=0)
+        run.check()
         for _ in range(STEPS):
             run.step()
         previous = run.sharded.position
@@ -104,22 +111,27 @@ def _grow_die_resume(process, port, stage, folder, results):
         return  # dies without a word
     previous = run.sharded.position
     _join(store, 2, [0, 2].index(process), 2)
+    # A restart here would read pieces for the place at 2 (with a buddy: every piece), not at 3.
+    results[("survivor wants", process)] = [run.sharded.wants_piece(r, 3) for r in range(3)]
     run.sharded.form(previous, steps=run.steps)
     for _ in range(STEPS):
         run.step()
     results[("after death", process)] = run.outcome()
     pieces = [torch.load(f"{folder}/shard{rank}.pt", weights_only=True) for rank in range(3)]
     _join(store, 3, [0, 2].index(process), 2)
+    # Before `form` a survivor that last held 3-rank shards asks for the pieces of its place at 2.
+    lean = FullyShardedModel(_mlp(), stage=stage, replicas=0)
+    results[("wants", process)] = [lean.wants_piece(r, 3) for r in range(3)]
     restored = _Run(stage)
     restored.sharded.check_pieces(pieces)
     restored.sharded.form(None, steps=0, pieces=pieces)
-    try:  # the survivors' shards forgotten, their initial weights freed, no checkpoint: nothing to start from
-        run.sharded.form(None, steps=0)
-        results[("from nothing", process)] = None
-    except ElasticError as exc:
-        results[("from nothing", process)] = str(exc)
+    for at_step in (0, run.steps):
+        try:  # the survivors' shards forgotten, their initial weights freed, no checkpoint
+            run.sharded.form(None, steps=at_step)
+            results[("from nothing", at_step, process)] = None
+        except ElasticError as exc:
+            results[("from nothing", at_step, process)] = f"{type(exc).__name__}: {exc}"
     results[("resumed", process)] = {"steps": restored.sharded.position.steps,
-                                     "wants": [restored.sharded.wants_piece(r, 3) for r in range(3)],
                                      "params": [p.full_tensor().detach() for p in restored.sharded._params]}
 
 
@@ -146,14 +158,20 @@ def test_zero_2_and_3_equal_plain_adamw_through_a_grow_a_death_and_a_resume_at_a
         for saved, loaded in zip(results[("saved", 0)], resumed["params"]):
             assert torch.equal(saved, loaded)
     for process in (0, 2):
-        assert "No rank holds the model's shards or its initial weights" in results[("from nothing", process)]
-    # With a buddy each, rank 0 of 2 needs pieces 0, 1 and its buddy's (rank 1's) pieces 1, 2.
-    assert results[("resumed", 0)]["wants"] == [True, True, True]
+        assert "No rank holds the model's shards or its initial weights" in results[("from nothing", 0, process)]
+        assert results[("from nothing", 3 * STEPS, process)].startswith("ShardLostError: No rank holds ZeRO")
+    assert all(results[("freed", p)] for p in range(3)), "the given model's weights outlived the first formation"
+    # Without buddies rank 0 of 2 needs only the pieces of 3 that overlap its rows, rank 1 likewise.
+    assert results[("wants", 0)] == [True, True, False] and results[("wants", 2)] == [False, True, True]
+    assert results[("survivor wants", 0)] == results[("survivor wants", 2)] == [True, True, True]
 
 
 def test_a_model_or_checkpoint_it_cannot_shard_is_refused_with_the_fix():
     with pytest.raises(ElasticError, match="mix dtypes"):
         FullyShardedModel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), stage=3)
+    with pytest.raises(ElasticError, match="must step every parameter of the prepared model"):
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        FullyShardedModel(model, stage=3).adopt(torch.optim.AdamW(model[1].parameters()))
     frozen = nn.Linear(2, 2)
     frozen.bias.requires_grad_(False)
     with pytest.raises(ElasticError, match="do not require grad"):
