@@ -255,6 +255,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Local, no communication: `pieces` must cover this rank's range and its buddies' ranges
         (passing every rank's piece always does). Call it after `reshard(None)` laid the group out.
         """
+        if any("segments" in p for p in pieces):
+            raise ElasticError("The pieces were written under ZeRO-2/3 (parameters and optimizer state cut by rows); "
+                               "resume them with the same Strategy(zero=2 or 3)")
         layout = self._require_layout()
         if not pieces:
             raise ElasticError("load_sharded() got no pieces; pass the sharded_state_dict() of every rank")

@@ -17,6 +17,7 @@ from torch import nn
 
 from elastic.errors import ElasticError
 from elastic.fsdp import FullyShardedModel
+from elastic.zero import ShardedOptimizer
 from test_zero import _client, _join, _spawn
 
 pytestmark = pytest.mark.timeout(180)
@@ -183,3 +184,6 @@ def test_a_model_or_checkpoint_it_cannot_shard_is_refused_with_the_fix():
     zero_1_piece = {"numel": 6, "steps": 1, "spans": [[0, 6]], "tensors": {}, "scalars": {}}
     with pytest.raises(ElasticError, match="does not fit this model under ZeRO-2/3"):
         FullyShardedModel(nn.Linear(2, 2), stage=3).check_pieces([zero_1_piece])
+    with pytest.raises(ElasticError, match="written under ZeRO-2/3"):
+        ShardedOptimizer(torch.optim.AdamW(nn.Linear(2, 2).parameters())).load_sharded(
+            [{**zero_1_piece, "segments": [[2, 2], [2, 1]]}])
