@@ -29,18 +29,19 @@ class SyncResult:
 
 
 def sync_state(objects: dict[str, Any], progress: dict[str, Any], device: torch.device,
-               holds_state: bool = False) -> tuple[SyncResult, dict[str, Any]]:
+               holds_state: bool = False, group: dist.ProcessGroup | None = None) -> tuple[SyncResult, dict[str, Any]]:
     """Make every rank hold the state of the most advanced one.
 
     `objects` maps names to things with `state_dict`/`load_state_dict`, or to tensors.
     `progress` holds plain values and must contain "step". `holds_state` says this rank
     holds the run's live state of that step (it trained in an earlier generation). Returns
-    the sync result and the progress every rank now shares.
+    the sync result and the progress every rank now shares. Over `group` (default: WORLD),
+    whose group ranks `source_rank` counts; a replica's stage syncs over its data-parallel group.
     """
-    world_size = dist.get_world_size()
+    world_size = dist.get_world_size(group)
     mine = torch.tensor([progress["step"], int(holds_state)], dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine)
+    dist.all_gather(gathered, mine, group=group)
     steps = [int(t[0].item()) for t in gathered]
     source = steps.index(max(steps))
     result = SyncResult(source_rank=source, step=steps[source], steps_before=steps)
@@ -49,15 +50,16 @@ def sync_state(objects: dict[str, Any], progress: dict[str, Any], device: torch.
         # step gave each of them the same all-reduced gradients. There is nothing to send.
         return result, progress
 
-    is_source = dist.get_rank() == source
+    is_source = dist.get_rank(group) == source
+    source_global = dist.get_global_rank(group, source) if group is not None else source
     payload = {"progress": progress, "state": {k: state_of(v) for k, v in objects.items()}} if is_source else None
     structure, buffers = flatten(payload, device) if is_source else (None, {})
     box = [(structure, {dtype: b.numel() for dtype, b in buffers.items()})]
-    dist.broadcast_object_list(box, src=source, device=device)
+    dist.broadcast_object_list(box, src=source_global, group=group, device=device)
     structure, sizes = box[0]
     for dtype, size in sizes.items():
         buffer = buffers[dtype] if is_source else torch.empty(size, dtype=buffer_dtype(dtype), device=device)
-        dist.broadcast(buffer, src=source)
+        dist.broadcast(buffer, src=source_global, group=group)
         buffers[dtype] = buffer
     if is_source:
         return result, progress
