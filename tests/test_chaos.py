@@ -24,9 +24,10 @@ MAX_STEPS = 12 * STEPS_PER_EPOCH
 FAULT_SLOTS = range(16, MAX_STEPS, 16)  # checkpoint steps (every 8), a few seconds apart
 CHECKPOINT_EVERY = 8
 PARAM_TOLERANCE = 1e-9
-# Seeds 0 and 1 together draw every kind (each seed misses one); 2 and 3 run under -m soak
-# for the suite's time on 2 cores.
-SHORT_SEEDS = [0, 1, pytest.param(2, marks=pytest.mark.soak), pytest.param(3, marks=pytest.mark.soak)]
+# Seeds 0 and 1 together draw every kind (each seed misses one) and run in CI; 2 and 3 run
+# under -m soak, for the suite's time on 2 cores.
+CI_SEEDS = [0, 1]
+SHORT_SEEDS = CI_SEEDS + [pytest.param(seed, marks=pytest.mark.soak) for seed in (2, 3)]
 SOAK_SEEDS = list(range(100, 120))
 
 
@@ -106,8 +107,8 @@ def test_nothing_is_lost_in_the_long_soak(reference, tmp_path, seed):
     _chaos_run(reference, tmp_path, seed)
 
 
-def test_the_short_schedules_hold_at_least_twenty_faults_of_every_kind():
-    faults = [f for seed in SHORT_SEEDS for f in draw_faults(seed)]
-    assert len(faults) >= 20
+def test_the_schedules_ci_runs_hold_ten_faults_of_every_kind():
+    faults = [f for seed in CI_SEEDS for f in draw_faults(seed)]
+    assert len(faults) >= 10
     kinds = {f.kind if f.where == "step_start" else f"{f.kind}-{f.where}" for f in faults}
     assert kinds >= {"kill", "kill-allreduce", "hang", "checkpoint-crash", "controller-kill", "raise"}, kinds
