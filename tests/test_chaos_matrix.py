@@ -17,7 +17,7 @@ killed but the victims (no survivor restarted), or, where a restart is the docum
 outcome, the first generation after it formed at the checkpoint's step.
 
     pytest tests/test_chaos_matrix.py              # in CI
-    pytest -m soak tests/test_chaos_matrix.py      # plus 3 fast and 3 slow-step cells and a real 3 s-step run
+    pytest -m soak tests/test_chaos_matrix.py      # plus 5 fast and 3 slow-step cells and a real 3 s-step run
 """
 
 from dataclasses import dataclass
@@ -135,10 +135,11 @@ def run_cell(name, cell, pace, reference, tmp_path):
     return result
 
 
-# At fast steps CI leaves out three moments that other CI tests also kill at (a step's start
+# At fast steps CI leaves out five moments that other CI tests also kill at (a step's start
 # and inside the all-reduce: test_healing, test_chaos, test_streaming; a grow's formation
-# before the newcomer joined: its twin after the join stays); `-m soak` runs them too.
-FAST_IN_SOAK_ONLY = ("step-start", "mid-allreduce", "grow-before-newcomer-joined")
+# before the newcomer joined: its twin after the join stays; a checkpoint write: test_chaos's
+# checkpoint-crash faults; every worker: test_resume's restart from storage); `-m soak` runs them too.
+FAST_IN_SOAK_ONLY = ("step-start", "mid-allreduce", "grow-before-newcomer-joined", "checkpoint-write", "every-worker")
 FAST_CELLS = [pytest.param(name, marks=pytest.mark.soak) if name in FAST_IN_SOAK_ONLY else name for name in CELLS]
 
 
