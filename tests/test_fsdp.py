@@ -18,7 +18,7 @@ from torch import nn
 from elastic.errors import ElasticError
 from elastic.fsdp import FullyShardedModel
 from elastic.zero import ShardedOptimizer
-from test_zero import _client, _join, _spawn
+from gloo_processes import client, join, spawn
 
 pytestmark = pytest.mark.timeout(180)
 TOLERANCE = 1e-9
@@ -82,23 +82,23 @@ class _Run:
 
 def _grow_die_resume(process, port, stage, folder, results):
     """2 ranks; a newcomer makes 3; checkpoint; rank 1 dies, 2 go on; a fresh pair resumes the checkpoint."""
-    store = _client(port)
+    store = client(port)
     run = _Run(stage)
     # All 3 cut the initial weights; rank 2 dies before the first step: its shard of the initial
     # weights comes from rank 0's buddy copy. It comes back later as a newcomer holding nothing.
-    _join(store, 0, process, 3)
+    join(store, 0, process, 3)
     run.sharded.form(None, steps=0)
     results[("freed", process)] = all(t.numel() == 0 for t in run.given.parameters())
     previous = None
     if process < 2:
         previous = run.sharded.position
-        _join(store, 10, process, 2)
+        join(store, 10, process, 2)
         run.sharded.form(previous, steps=0)
         run.check()
         for _ in range(STEPS):
             run.step()
         previous = run.sharded.position
-    _join(store, 1, process, 3)
+    join(store, 1, process, 3)
     run.sync_reference_from_rank_0()
     run.sharded.form(previous, steps=run.steps)
     run.check()
@@ -111,7 +111,7 @@ def _grow_die_resume(process, port, stage, folder, results):
     if process == 1:
         return  # dies without a word
     previous = run.sharded.position
-    _join(store, 2, [0, 2].index(process), 2)
+    join(store, 2, [0, 2].index(process), 2)
     # A restart here would read pieces for the place at 2 (with a buddy: every piece), not at 3.
     results[("survivor wants", process)] = [run.sharded.wants_piece(r, 3) for r in range(3)]
     run.sharded.form(previous, steps=run.steps)
@@ -119,7 +119,7 @@ def _grow_die_resume(process, port, stage, folder, results):
         run.step()
     results[("after death", process)] = run.outcome()
     pieces = [torch.load(f"{folder}/shard{rank}.pt", weights_only=True) for rank in range(3)]
-    _join(store, 3, [0, 2].index(process), 2)
+    join(store, 3, [0, 2].index(process), 2)
     # Before `form` a survivor that last held 3-rank shards asks for the pieces of its place at 2.
     lean = FullyShardedModel(_mlp(), stage=stage, replicas=0)
     results[("wants", process)] = [lean.wants_piece(r, 3) for r in range(3)]
@@ -138,7 +138,7 @@ def _grow_die_resume(process, port, stage, folder, results):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_2_and_3_equal_plain_adamw_through_a_grow_a_death_and_a_resume_at_another_size(stage, tmp_path):
-    results = _spawn(_grow_die_resume, stage, str(tmp_path))
+    results = spawn(_grow_die_resume, stage, str(tmp_path))
     for process in range(3):
         outcome = results[("at 3", process)]
         assert outcome["steps"] == 2 * STEPS and outcome["error"] <= TOLERANCE, outcome

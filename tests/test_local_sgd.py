@@ -7,15 +7,13 @@ so either rank can compute what every rank holds and check the sync's result wit
 at the center.
 """
 
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from elastic.local_sgd import OuterSync
+from gloo_processes import client, join, spawn
 
 pytestmark = pytest.mark.timeout(120)
 ALPHA = 0.3
@@ -35,8 +33,7 @@ def _moved(params: list[torch.Tensor], rank: int, interval: int) -> list[torch.T
 
 
 def _two_ranks(rank, port, results):
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    join(client(port), 0, rank, 2)
     model = _mlp()
     outer = OuterSync({"kind": "easgd", "every": EVERY, "alpha": ALPHA}, model, MAX_STEPS)
     center = [p.detach().clone() for p in model.parameters()]  # the center starts as the model
@@ -65,9 +62,7 @@ def _two_ranks(rank, port, results):
 
 
 def test_an_easgd_sync_pulls_ranks_and_center_together_and_the_last_leaves_every_rank_at_the_center():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    results = mp.Manager().dict()
-    mp.start_processes(_two_ranks, args=(store.port, results), nprocs=2, start_method="spawn")
+    results = spawn(_two_ranks, nprocs=2)
     for rank in (0, 1):
         outcome = results[rank]
         assert outcome["error"] <= TOLERANCE, outcome

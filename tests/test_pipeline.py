@@ -18,7 +18,7 @@ from torch import nn
 
 from elastic.errors import ElasticError
 from elastic.pipeline import PipelinedModel, even_split_points
-from test_zero import _client, _join, _spawn
+from gloo_processes import client, join, refused, spawn
 
 pytestmark = pytest.mark.timeout(120)
 TOLERANCE = 1e-12
@@ -59,7 +59,7 @@ def _train_beside_plain(store, process: int, generation: int, schedule: str, spl
     for step in range(STEPS + STEPS_AFTER_REBIND):
         if step == STEPS:
             generation += 1
-            _join(store, generation, process, 2)
+            join(store, generation, process, 2)
             pipe.bind()
         x, y = _batch(step)
         loss = pipe.step(x, y)
@@ -79,39 +79,31 @@ def _train_beside_plain(store, process: int, generation: int, schedule: str, spl
     return {**errors, "held": sorted(held), "losses": losses, "stage": pipe.stage_rank}, generation
 
 
-def _refused(call) -> str | None:
-    try:
-        call()
-    except ElasticError as exc:
-        return str(exc)
-    return None
-
-
 def _stage_member(process, port, results):
-    store = _client(port)
+    store = client(port)
     generation = 0
     for schedule, split_points in RUNS:
         generation += 1
-        _join(store, generation, process, 2)
+        join(store, generation, process, 2)
         results[(schedule, process)], generation = _train_beside_plain(store, process, generation, schedule,
                                                                        split_points)
     generation += 1
-    _join(store, generation, process, 2)
+    join(store, generation, process, 2)
     pipe = _pipelined()
     pipe.bind()
-    results[("uneven batch", process)] = _refused(lambda: pipe.step(*_batch(0, rows=10)))
+    results[("uneven batch", process)] = refused(lambda: pipe.step(*_batch(0, rows=10)))
     pipe.step(*_batch(0))
-    results[("another shape", process)] = _refused(lambda: pipe.step(*_batch(1, rows=8)))
-    results[("three stages on two ranks", process)] = _refused(lambda: _pipelined(stages=3).bind())
+    results[("another shape", process)] = refused(lambda: pipe.step(*_batch(1, rows=8)))
+    results[("three stages on two ranks", process)] = refused(lambda: _pipelined(stages=3).bind())
     generation += 1
-    _join(store, generation, 1 - process, 2)
-    results[("rebind at another rank", process)] = _refused(pipe.bind)
+    join(store, generation, 1 - process, 2)
+    results[("rebind at another rank", process)] = refused(pipe.bind)
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def pipelined():
-    return _spawn(_stage_member, nprocs=2)
+    return spawn(_stage_member, nprocs=2)
 
 
 @pytest.mark.parametrize("schedule", [schedule for schedule, _ in RUNS])

@@ -19,7 +19,7 @@ from elastic.errors import ElasticError
 from elastic.pipeline import PipelinedModel
 from elastic.replicas import Position, ReplicaShape
 from elastic.state_sync import sync_state
-from test_zero import _client, _join, _spawn
+from gloo_processes import client, join, spawn
 
 pytestmark = pytest.mark.timeout(180)
 TOLERANCE = 1e-12
@@ -88,9 +88,9 @@ class _Stage:
 
 
 def _replica_leaves_and_another_joins(process, port, results):
-    store = _client(port)
+    store = client(port)
     stage = _Stage(seed=0)
-    _join(store, 0, process, 4)
+    join(store, 0, process, 4)
     stage.form(4, holds_state=False)
     for _ in range(STEPS):
         stage.step()
@@ -98,13 +98,13 @@ def _replica_leaves_and_another_joins(process, port, results):
     staying, released = SHAPE.whole_replicas([True, True, True, False])
     results[("rule", process)] = (staying, released)
     if process in staying:
-        _join(store, 1, staying.index(process), len(staying))
+        join(store, 1, staying.index(process), len(staying))
         stage.form(len(staying), holds_state=True)
         for _ in range(STEPS):
             stage.step()
     else:
         stage = _Stage(seed=process + 1)  # a replacement: other weights, no optimizer state, until synced
-    _join(store, 2, process, 4)
+    join(store, 2, process, 4)
     stage.form(4, holds_state=process in staying)
     for _ in range(STEPS):
         stage.step()
@@ -113,7 +113,7 @@ def _replica_leaves_and_another_joins(process, port, results):
 
 
 def test_a_replica_leaves_whole_the_other_carries_the_global_batch_and_a_new_one_takes_stage_state():
-    results = _spawn(_replica_leaves_and_another_joins, nprocs=4)
+    results = spawn(_replica_leaves_and_another_joins, nprocs=4)
     assert results[("rule", 0)] == ([0, 1], [2])
     for process in range(4):
         outcome = results[process]

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from elastic.demo.model import ModelConfig, TinyLM
 from elastic.errors import ElasticError
 from elastic.tensor_parallel import SelfAttention, TensorParallelModel, attention_plan, mlp_plan
-from test_zero import _client, _join, _spawn
+from gloo_processes import client, join, refused, spawn
 
 pytestmark = pytest.mark.timeout(120)
 TOLERANCE = 1e-12
@@ -106,7 +106,7 @@ def _train_beside_plain(store, process: int, generation: int, case: str) -> tupl
         if step == STEPS:
             before = _locals(tp.module)
             generation += 1
-            _join(store, generation, process, 2)
+            join(store, generation, process, 2)
             tp.bind()  # the new world; the first group's name is gone with it
             after = _locals(tp.module)
             kept_locals = {n: p.to_local().data_ptr() for n, p in before.items()} == \
@@ -139,24 +139,16 @@ def _train_beside_plain(store, process: int, generation: int, case: str) -> tupl
             "plain_alike": torch.equal(gathered[0], gathered[1]), "plain_names": len(held) - len(cuts)}, generation
 
 
-def _refused(call) -> str | None:
-    try:
-        call()
-    except ElasticError as exc:
-        return str(exc)
-    return None
-
-
 def _tensor_parallel_member(process, port, results):
-    store = _client(port)
+    store = client(port)
     generation = 0
     for case in CASES:
         generation += 1
-        _join(store, generation, process, 2)
+        join(store, generation, process, 2)
         results[(case, process)], generation = _train_beside_plain(store, process, generation, case)
     generation += 1
-    _join(store, generation, process, 2)
-    results[("four on two ranks", process)] = _refused(
+    join(store, generation, process, 2)
+    results[("four on two ranks", process)] = refused(
         lambda: TensorParallelModel(_mlp(), mlp_plan("0", "2"), size=4).bind())
     model = _mlp()
     reference = dict(copy.deepcopy(model).named_parameters())
@@ -165,23 +157,23 @@ def _tensor_parallel_member(process, port, results):
             for param in model.parameters():
                 param.add_(1.0)  # another process built other weights
     tp = TensorParallelModel(model, mlp_plan("0", "2"), size=2)
-    results[("module before bind", process)] = _refused(lambda: tp.module)
+    results[("module before bind", process)] = refused(lambda: tp.module)
     tp.bind()
     results[("rank 0's weights", process)] = max((_full(param) - reference[name]).abs().max().item()
                                                   for name, param in tp.module.named_parameters())
     results[("freed", process)] = [name for name, param in model.named_parameters() if param.numel() == 0]
-    results[("foreign optimizer", process)] = _refused(lambda: tp.adopt(torch.optim.AdamW(model.parameters())))
-    results[("foreach optimizer", process)] = _refused(
+    results[("foreign optimizer", process)] = refused(lambda: tp.adopt(torch.optim.AdamW(model.parameters())))
+    results[("foreach optimizer", process)] = refused(
         lambda: tp.adopt(torch.optim.AdamW(tp.module.parameters(), foreach=True)))
     generation += 1
-    _join(store, generation, 1 - process, 2)
-    results[("rebind at another rank", process)] = _refused(tp.bind)
+    join(store, generation, 1 - process, 2)
+    results[("rebind at another rank", process)] = refused(tp.bind)
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def tensor_parallel():
-    return _spawn(_tensor_parallel_member, nprocs=2)
+    return spawn(_tensor_parallel_member, nprocs=2)
 
 
 @pytest.mark.parametrize("case", list(CASES))

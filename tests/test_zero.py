@@ -10,17 +10,16 @@ The plan's arithmetic and the constructor's checks are tested without processes.
 
 import copy
 import pickle
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from elastic.errors import ElasticError
 from elastic.shard_plan import Layout, ShardLostError, ShardPosition, plan_reshard
 from elastic.zero import ShardedOptimizer
+from gloo_processes import client, join, spawn
 
 pytestmark = pytest.mark.timeout(120)
 TOLERANCE = 1e-12
@@ -96,25 +95,6 @@ class _Pair:
         return {"error": self.error, "checks": self.checks, "steps": self.steps, "names": self.names}
 
 
-def _client(port: int) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-
-
-def _join(store: dist.TCPStore, generation: int, rank: int, world_size: int) -> None:
-    """Leave the current group, if any, and form generation `generation` in the same process."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{generation}", store), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=60))
-
-
-def _spawn(member, *args, nprocs: int = 3) -> dict:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    results = mp.Manager().dict()
-    mp.start_processes(member, args=(store.port, *args, results), nprocs=nprocs, start_method="spawn")
-    return dict(results)
-
-
 def _assert_equal_to_plain(outcome: dict, steps: int, kind: str = "adamw") -> None:
     assert outcome["steps"] == steps and outcome["checks"] >= 1, outcome
     assert outcome["names"] == STATE_NAMES[kind], outcome
@@ -122,14 +102,14 @@ def _assert_equal_to_plain(outcome: dict, steps: int, kind: str = "adamw") -> No
 
 
 def _at_each_world_size(process, port, results):
-    store = _client(port)
+    store = client(port)
     generation = 0
     for world_size in (1, 2, 3):
         for kind in OPTIMIZERS:
             generation += 1
             if process >= world_size:
                 continue
-            _join(store, generation, process, world_size)
+            join(store, generation, process, world_size)
             pair = _Pair(kind)
             hook_calls = []
             pair.sharded.register_step_post_hook(lambda *_: hook_calls.append(1))
@@ -141,7 +121,7 @@ def _at_each_world_size(process, port, results):
 
 
 def test_sharded_steps_equal_the_plain_optimizer_at_world_sizes_1_2_3():
-    results = _spawn(_at_each_world_size)
+    results = spawn(_at_each_world_size)
     for world_size in (1, 2, 3):
         for kind in OPTIMIZERS:
             outcomes = [results[(world_size, kind, process)] for process in range(world_size)]
@@ -157,16 +137,16 @@ def test_sharded_steps_equal_the_plain_optimizer_at_world_sizes_1_2_3():
 def _grow_then_planned_shrink(process, port, results):
     """2 ranks, a newcomer makes 3, then rank 2 sends its shard and leaves; replicas=0, so
     nothing comes from a buddy copy."""
-    store = _client(port)
+    store = client(port)
     pair = _Pair(replicas=0)
     previous = None  # the newcomer holds nothing
     if process < 2:
-        _join(store, 0, process, 2)
+        join(store, 0, process, 2)
         pair.sharded.reshard(None)
         for _ in range(STEPS):
             pair.step()
         previous = pair.sharded.position
-    _join(store, 1, process, 3)
+    join(store, 1, process, 3)
     pair.sync_from_rank_0()
     pair.sharded.reshard(previous)
     for _ in range(STEPS):
@@ -175,7 +155,7 @@ def _grow_then_planned_shrink(process, port, results):
     if process == 2:
         results[process] = {**pair.outcome(), "holds": pair.sharded.position}
         return
-    _join(store, 2, process, 2)
+    join(store, 2, process, 2)
     pair.sharded.bind()
     for _ in range(STEPS):
         pair.step()
@@ -183,7 +163,7 @@ def _grow_then_planned_shrink(process, port, results):
 
 
 def test_a_grow_2_to_3_and_a_planned_shrink_3_to_2_keep_the_plain_trajectory():
-    results = _spawn(_grow_then_planned_shrink)
+    results = spawn(_grow_then_planned_shrink)
     for process in (0, 1):
         _assert_equal_to_plain(results[process], 3 * STEPS)
     _assert_equal_to_plain(results[2], 2 * STEPS)
@@ -192,16 +172,16 @@ def test_a_grow_2_to_3_and_a_planned_shrink_3_to_2_keep_the_plain_trajectory():
 
 def _deaths(process, port, results):
     """3 ranks; rank 1 dies, the survivors go on at 2; then old rank 2 dies and rank 0 goes on alone."""
-    store = _client(port)
+    store = client(port)
     pair = _Pair(replicas=1)
-    _join(store, 0, process, 3)
+    join(store, 0, process, 3)
     pair.sharded.reshard(None)
     for _ in range(STEPS):
         pair.step()
     if process == 1:
         return  # dies without a word
     previous = pair.sharded.position
-    _join(store, 1, [0, 2].index(process), 2)
+    join(store, 1, [0, 2].index(process), 2)
     pair.sharded.reshard(previous)
     for _ in range(STEPS):
         pair.step()
@@ -209,7 +189,7 @@ def _deaths(process, port, results):
     if process == 2:
         return
     previous = pair.sharded.position
-    _join(store, 2, 0, 1)
+    join(store, 2, 0, 1)
     pair.sharded.reshard(previous)
     for _ in range(STEPS):
         pair.step()
@@ -217,23 +197,23 @@ def _deaths(process, port, results):
 
 
 def test_survivors_continue_from_buddy_copies_when_ranks_die_one_after_another():
-    results = _spawn(_deaths)
+    results = spawn(_deaths)
     _assert_equal_to_plain(results[(2, 0)], 2 * STEPS)
     _assert_equal_to_plain(results[(2, 2)], 2 * STEPS)
     _assert_equal_to_plain(results[(1, 0)], 3 * STEPS)
 
 
 def _death_without_replicas(process, port, results):
-    store = _client(port)
+    store = client(port)
     pair = _Pair(replicas=0)
-    _join(store, 0, process, 3)
+    join(store, 0, process, 3)
     pair.sharded.reshard(None)
     for _ in range(STEPS):
         pair.step()
     if process == 1:
         return
     previous = pair.sharded.position
-    _join(store, 1, [0, 2].index(process), 2)
+    join(store, 1, [0, 2].index(process), 2)
     try:
         pair.sharded.reshard(previous)
         results[process] = None
@@ -242,7 +222,7 @@ def _death_without_replicas(process, port, results):
 
 
 def test_a_death_without_replicas_raises_shard_lost_on_every_survivor():
-    results = _spawn(_death_without_replicas)
+    results = spawn(_death_without_replicas)
     for process in (0, 2):
         assert results[process] is not None, "the survivors resharded although rank 1's state is gone"
         assert results[process]["lost"] == [1]
@@ -252,9 +232,9 @@ def test_a_death_without_replicas_raises_shard_lost_on_every_survivor():
 
 def _checkpoint_then_resume(process, port, folder, results):
     """Save at 3 ranks; load at 1 (rank 0 alone), then at 2, step, lose rank 1, go on at 1."""
-    store = _client(port)
+    store = client(port)
     pair = _Pair(replicas=1)
-    _join(store, 0, process, 3)
+    join(store, 0, process, 3)
     pair.sharded.reshard(None)
     for _ in range(STEPS):
         pair.step()
@@ -264,12 +244,12 @@ def _checkpoint_then_resume(process, port, folder, results):
         return
     pieces = [torch.load(f"{folder}/shard{rank}.pt", weights_only=True) for rank in range(3)]
     if process == 0:
-        _join(store, 1, 0, 1)
+        join(store, 1, 0, 1)
         pair.fresh_optimizer().reshard(None)
         pair.sharded.load_sharded(pieces)
         pair.check()
         results[(1, 0)] = pair.outcome()
-    _join(store, 2, process, 2)
+    join(store, 2, process, 2)
     lean = ShardedOptimizer(OPTIMIZERS["adamw"](copy.deepcopy(pair.model).parameters()), replicas=0)
     lean.reshard(None)
     results[("wants", process)] = [lean.wants_piece(rank, 3) for rank in range(3)]
@@ -282,14 +262,14 @@ def _checkpoint_then_resume(process, port, folder, results):
     if process == 1:
         return  # dies: its shard comes from the buddy copy that load_sharded built on rank 0
     previous = pair.sharded.position
-    _join(store, 3, 0, 1)
+    join(store, 3, 0, 1)
     pair.sharded.reshard(previous)
     pair.step()
     results[("after death", 0)] = pair.outcome()
 
 
 def test_a_checkpoint_saved_by_3_ranks_loads_at_1_and_at_2_with_its_buddy_copies(tmp_path):
-    results = _spawn(_checkpoint_then_resume, str(tmp_path))
+    results = spawn(_checkpoint_then_resume, str(tmp_path))
     _assert_equal_to_plain(results[(1, 0)], STEPS)
     _assert_equal_to_plain(results[(2, 0)], 2 * STEPS)
     _assert_equal_to_plain(results[(2, 1)], 2 * STEPS)
