@@ -616,6 +616,14 @@ def merge_figures(path: str, figures: dict[str, list[float | None]], details: di
     return merged
 
 
+def print_medians(figures: dict[str, list[float | None]]) -> None:
+    """Print each figure's median over the rounds that measured it ("-" where none did)."""
+    width = max((len(key) for key in figures), default=0) + 1
+    for key, values in sorted(figures.items()):
+        present = [v for v in values if v is not None]
+        print(f"{key:{width}s} {statistics.median(present):.4g}" if present else f"{key:{width}s} -")
+
+
 def _command() -> str:
     return command_line("benchmarks.bench", None)
 

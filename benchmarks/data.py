@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,7 +53,7 @@ import torch
 
 import elastic
 from benchmarks import workload
-from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures
+from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures, print_medians
 from elastic.data import DataCursor
 from elastic.loader import Loader
 from elastic.parquet import _column_array
@@ -247,9 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                               "loader_batch": LOADER_BATCH, "slow_fetch_s": SLOW_FETCH_S, "steps": steps,
                               "rounds": rounds, "world_size": workload.WORLD_SIZE}}
     merge_figures(args.out, figures, details, DEFINITIONS, command_line("benchmarks.data", argv), time.time() - started)
-    for key, values in sorted(figures.items()):
-        present = [v for v in values if v is not None]
-        print(f"{key:45s} {statistics.median(present):.4g}" if present else f"{key:45s} -")
+    print_medians(figures)
     return 0
 
 

@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures
+from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures, print_medians
 from elastic.pipeline import PipelinedModel
 
 STAGES = 2
@@ -187,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "per_stage_bubble_by_round": per_stage}}
     merge_figures(args.out, figures, details, DEFINITIONS, command_line("benchmarks.pipeline_bubble", argv),
                   time.time() - started)
-    for key, values in sorted(figures.items()):
-        print(f"{key:48s} {statistics.median(values):.4g}")
+    print_medians(figures)
     return 0
 
 

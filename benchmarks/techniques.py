@@ -32,7 +32,6 @@ The keys are merged into benchmarks/results/bench.json (or --out), keeping the o
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ import torch
 
 import elastic
 from benchmarks import workload
-from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures
+from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures, print_medians
 
 STEPS = 120
 QUICK_STEPS = 64  # multiples of the local SGD variants' H, so every interval ends in a sync
@@ -158,9 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                "techniques_zero_state_bytes": zero_state}
     merge_figures(args.out, figures, details, DEFINITIONS, command, time.time() - started)
     print("ZeRO AdamW state bytes per rank:", zero_state)
-    for key, values in sorted(figures.items()):
-        present = [v for v in values if v is not None]
-        print(f"{key:55s} {statistics.median(present):.4g}" if present else f"{key:55s} -")
+    print_medians(figures)
     return 0
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures
+from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures, print_medians
 from elastic.fsdp import FullyShardedModel
 from elastic.zero import ShardedOptimizer
 
@@ -193,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "zero3_state_bytes": 12 * PARAMETERS, "rounds": args.rounds}}
     merge_figures(args.out, figures, details, DEFINITIONS, command_line("benchmarks.zero_reshard", argv),
                   time.time() - started)
-    for key, values in sorted(figures.items()):
-        print(f"{key:40s} {statistics.median(values):.4g}")
+    print_medians(figures)
     return 0
 
 
