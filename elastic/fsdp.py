@@ -36,7 +36,6 @@ ranks is immediate.
 from __future__ import annotations
 
 import copy
-import inspect
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,9 +48,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from elastic.errors import ElasticError
-from elastic.group import is_peer_failure
 from elastic.shard_plan import Layout, ShardLostError, ShardPosition, plan_reshard, scalars_at
-from elastic.shard_transfer import Holding, Placement, assemble, move, refresh_buddies, wants_piece
+from elastic.shard_transfer import Holding, Placement, assemble, move, refreshed, wants_piece
+from elastic.zero import optimizer_like, scalars_for
 
 PARAM = "param"  # the holding's name for the parameters beside the optimizer's state names
 
@@ -210,13 +209,8 @@ class FullyShardedModel:
         """
         self._steps += 1
         self._buddy_steps = -1
-        try:
-            refresh_buddies(self._placement, self._own(), self._buddies, self.replicas, self._group)
-        except Exception as exc:
-            if not is_peer_failure(exc):
-                raise
-            return
-        self._buddy_steps, self._buddy_scalars = self._steps, self._scalars()
+        if refreshed(self._placement, self._own(), self._buddies, self.replicas, self._group):
+            self._buddy_steps, self._buddy_scalars = self._steps, self._scalars()
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
         """Reduce-scatter the gradients in this backward (the last micro-batch) or accumulate."""
@@ -312,17 +306,13 @@ class ShardedParamsOptimizer(torch.optim.Optimizer):
     def rebuild(self, params: list[torch.Tensor], own: Holding, scalars: dict[str, Any]) -> None:
         """Step `params` from now on, with the elementwise state `own` (local vectors) if any."""
         self.param_groups[0]["params"] = params
-        hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        accepted = inspect.signature(self._class).parameters
-        self.inner = self._class(params, **{k: v for k, v in hyper.items() if k in accepted})
+        self.inner = optimizer_like(self._class, params,
+                                    {k: v for k, v in self.param_groups[0].items() if k != "params"})
         if not own:
             return
         pieces = {name: _split(flat, params) for name, flat in own.items()}
-        group = self.inner.param_groups[0]
-        # torch.optim keeps a tensor `step` on the parameter's device only if capturable or fused.
-        device = params[0].device if group.get("capturable") or group.get("fused") else torch.device("cpu")
         for i, param in enumerate(params):
-            state = {name: v.to(device, copy=True) if torch.is_tensor(v) else v for name, v in scalars.items()}
+            state = scalars_for(self.inner, scalars)
             for name, split in pieces.items():
                 state[name] = DTensor.from_local(split[i].clone(), param.device_mesh, param.placements,
                                                  run_check=False, shape=param.shape, stride=param.stride())

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.errors import ElasticError
+from elastic.group import is_peer_failure
 from elastic.shard_plan import Layout, Transfer, buddies_of
 
 Holding = dict[str, torch.Tensor]
@@ -77,6 +78,19 @@ def move(transfers: Sequence[Transfer], me: int, old: Placement | None, new: Pla
                                       group_peer=transfer.source, tag=tag))
     exchange(ops)
     return received, copies
+
+
+def refreshed(placement: Placement, own: Holding, buddies: dict[int, Holding], replicas: int,
+              group: dist.ProcessGroup | None) -> bool:
+    """`refresh_buddies` after a step; False if a peer was lost midway. The copies are then half
+    received and count for nothing, while the step itself, taken already, stands."""
+    try:
+        refresh_buddies(placement, own, buddies, replicas, group)
+    except Exception as exc:
+        if not is_peer_failure(exc):
+            raise
+        return False
+    return True
 
 
 def refresh_buddies(placement: Placement, own: Holding, buddies: dict[int, Holding], replicas: int,

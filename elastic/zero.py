@@ -67,9 +67,8 @@ import torch
 import torch.distributed as dist
 
 from elastic.errors import ElasticError
-from elastic.group import is_peer_failure
 from elastic.shard_plan import Layout, ShardLostError, ShardPosition, agreed_history, plan_reshard, scalars_at
-from elastic.shard_transfer import Placement, assemble, move, refresh_buddies, wants_piece
+from elastic.shard_transfer import Placement, assemble, move, refreshed, wants_piece
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; pyproject allows torch 2.4.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -218,16 +217,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # leaves the copies half received, so they count for nothing, but the step commits and
         # the heal that follows finds the lost pieces elsewhere.
         self._buddy_steps = -1
-        try:
-            own = self._own_state()
-            refresh_buddies(layout, {name: own[name] for name in _aligned_names(own, self._shard)},
-                            self._buddies, self._replicas, self._group)
-        except Exception as exc:
-            if not is_peer_failure(exc):
-                raise
-            return loss
-        self._buddy_steps = self._steps
-        self._buddy_scalars = _export_scalars(own, _aligned_names(own, self._shard))
+        own = self._own_state()
+        names = _aligned_names(own, self._shard)
+        if refreshed(layout, {name: own[name] for name in names}, self._buddies, self._replicas, self._group):
+            self._buddy_steps, self._buddy_scalars = self._steps, _export_scalars(own, names)
         return loss
 
     def skip_step(self) -> None:
@@ -318,20 +311,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         first = self._params[0]
         self._padded = torch.zeros(math.ceil(self._numel / layout.world_size), dtype=first.dtype, device=first.device)
         self._shard = self._padded[: layout.length()]
-        self._inner = self._make_inner(self._shard)
+        self._inner = optimizer_like(self._optimizer_class, [self._shard], self._hyperparameters())
         if own or scalars:
-            group = self._inner.param_groups[0]
-            # torch.optim keeps a tensor `step` on the parameter's device only if capturable or fused.
-            device = first.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
-            self._inner.state[self._shard] = {
-                **{k: v.to(device, copy=True) if torch.is_tensor(v) else v for k, v in scalars.items()}, **own}
+            self._inner.state[self._shard] = {**scalars_for(self._inner, scalars), **own}
 
-    def _make_inner(self, shard: torch.Tensor) -> torch.optim.Optimizer:
-        hyperparameters = self._hyperparameters()
-        accepted = inspect.signature(self._optimizer_class).parameters
-        inner = self._optimizer_class([shard], **{k: v for k, v in hyperparameters.items() if k in accepted})
-        inner.param_groups[0].update(hyperparameters)
-        return inner
+
+def optimizer_like(optimizer_class: type[torch.optim.Optimizer], params: list[torch.Tensor],
+                   hyperparameters: dict[str, Any]) -> torch.optim.Optimizer:
+    """A fresh `optimizer_class` over `params` with the user's optimizer's hyperparameters: those its
+    constructor takes are passed, and all (a scheduler's `initial_lr` too) set on its param group."""
+    accepted = inspect.signature(optimizer_class).parameters
+    inner = optimizer_class(params, **{k: v for k, v in hyperparameters.items() if k in accepted})
+    inner.param_groups[0].update(hyperparameters)
+    return inner
+
+
+def scalars_for(optimizer: torch.optim.Optimizer, scalars: dict[str, Any]) -> dict[str, Any]:
+    """Copies of the per-parameter entries that are no shards (Adam's `step`) where `optimizer`
+    keeps them: torch.optim keeps a tensor `step` on the parameter's device only if capturable
+    or fused, else on the CPU."""
+    group = optimizer.param_groups[0]
+    device = group["params"][0].device if group.get("capturable") or group.get("fused") else torch.device("cpu")
+    return {k: v.to(device, copy=True) if torch.is_tensor(v) else v for k, v in scalars.items()}
 
 
 def _check_wrappable(optimizer: torch.optim.Optimizer, replicas: int) -> None:
