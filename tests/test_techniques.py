@@ -321,14 +321,18 @@ def test_a_checkpoint_without_optimizer_shards_does_not_resume_a_zero_run(local_
 SLOW_STEP_S = 0.25  # a sleep inside each step, standing for seconds of compute (as in the chaos matrix)
 
 
-# The DiLoCo case runs under `-m soak` (the suite's time on 2 cores); its rollback through a
-# Fault kill is in CI (test_diloco_rolls_a_mid_interval_death_back_...).
-@pytest.mark.parametrize("strategy", [pytest.param(Strategy(sync="diloco:every=8"), marks=pytest.mark.soak), ZERO],
-                         ids=["diloco", "zero"])
+# The DiLoCo, EASGD and ZeRO-3 cases run under `-m soak` (the suite's time on 2 cores); their
+# heals through Fault kills are in CI (the DiLoCo and EASGD rollbacks, the ZeRO-3 equivalence).
+@pytest.mark.parametrize("strategy", [
+    pytest.param(Strategy(sync="diloco:every=8"), marks=pytest.mark.soak),
+    pytest.param(Strategy(sync="easgd:every=8"), marks=pytest.mark.soak),
+    ZERO,
+    pytest.param(Strategy(zero=3), marks=pytest.mark.soak),
+], ids=["diloco", "easgd", "zero", "zero3"])
 def test_slow_steps_heal_a_sigkill_sent_from_outside_at_a_moment_inside_a_step(local_ray, tmp_path, ddp_reference,
                                                                                strategy):
     # From step 12 on, rank 1's process is killed at a random moment of a step: mid-interval
-    # for DiLoCo, anywhere in the forward, the all-reduce or ZeRO's own step for ZeRO-1.
+    # for DiLoCo and EASGD, anywhere in the forward, the gradient sync or ZeRO's own step.
     killer = OutsideKiller("rank1-mid-step", str(tmp_path), "sigkill", SimpleNamespace(compute_s=SLOW_STEP_S), seed=7)
     killer.start()
     result = _fit(tmp_path, "sigkill", ScalingConfig(min_workers=2, max_workers=3), strategy,
