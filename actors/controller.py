@@ -19,7 +19,8 @@ from typing import Any, Callable
 import ray
 import torch.distributed as dist
 from ray.exceptions import RayActorError
-from ray.util.scheduling_strategies import NodeLabelSchedulingStrategy, NotIn
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeLabelSchedulingStrategy, NotIn, PlacementGroupSchedulingStrategy
 
 from actors.metrics import RunMetrics
 from actors.worker import Worker
@@ -31,7 +32,8 @@ from elastic.faults import Fault
 from elastic.group import GenerationSpec, abort_generation
 from elastic.shards import ShardCollector
 from elastic.progress import ProgressTracker
-from elastic.protocol import Protocol
+from elastic.protocol import Protocol, Status
+from elastic.replicas import ReplicaShape
 from elastic.states import Failed, Formation
 from elastic.storage import RunStorage
 
@@ -81,6 +83,7 @@ class Controller:
             failures=max((e.get("failures", 0) for e in this_attempt if e["type"] == "decision"), default=0),
         )
         self.handles: dict[int, Any] = {}
+        self.placement_groups: dict[int, PlacementGroup] = {}  # by replica, with pipeline_stages > 1
         self.avoided: set[str] = set()
         self.metrics = RunMetrics(spec.run.name)
         self.progress = ProgressTracker(spec.data.global_batch_size, spec.data.max_steps)
@@ -204,6 +207,8 @@ class Controller:
                 asyncio.ensure_future(self._poll(action.members))
         if any(isinstance(a, signals.Emit) and a.type == "generation_formed" for a in actions):
             await asyncio.to_thread(self.journal.flush)
+        if self.placement_groups:
+            self._free_lost_replicas()
 
     async def _prepare(self, worker_id: int, generation: int) -> None:
         try:
@@ -257,14 +262,37 @@ class Controller:
                               f"node_cooldown_s={config.node_cooldown_s}); new workers avoid it until then")
         self.avoided = avoid
         placement = NodeLabelSchedulingStrategy(hard={NODE_ID_LABEL: NotIn(*sorted(avoid))}) if avoid else None
+        size = self.spec.scaling.replica_size
         for worker_id in worker_ids:
+            if size > 1:
+                placement = self._replica_placement(worker_id, size)
             handle = Worker.options(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources, max_restarts=0,
                                     scheduling_strategy=placement).remote(
                 worker_id, me, self.spec.data, self.spec.run.checkpoint_config, self.storage, self.spec.faults,
                 self.spec.scaling.use_gpu, num_cpus, self.spec.strategy,
+                ReplicaShape(self.spec.scaling.pipeline_stages), worker_id % size,
             )
             self.handles[worker_id] = handle
             asyncio.ensure_future(self._watch(worker_id, handle))
+
+    def _replica_placement(self, worker_id: int, size: int) -> PlacementGroupSchedulingStrategy:
+        """A replica's workers share one placement group, packed on as few nodes as fit them, so a
+        node's loss takes out the replicas on it and no others. Bundle i holds the replica's stage i."""
+        replica = worker_id // size
+        if replica not in self.placement_groups:
+            bundle = {k: v for k, v in self.spec.scaling.worker_resources().items() if v}
+            self.placement_groups[replica] = placement_group([bundle] * size, strategy="PACK",
+                                                             name=f"elastic-{self.spec.run.name}-replica-{replica}")
+        return PlacementGroupSchedulingStrategy(self.placement_groups[replica],
+                                                placement_group_bundle_index=worker_id % size)
+
+    def _free_lost_replicas(self) -> None:
+        """Give back the placement group of each replica whose workers are all gone."""
+        for replica in list(self.placement_groups):
+            size = self.spec.scaling.replica_size
+            workers = range(replica * size, (replica + 1) * size)
+            if all(self.protocol.workers[w].status == Status.GONE for w in workers):
+                remove_placement_group(self.placement_groups.pop(replica))
 
     async def _watch(self, worker_id: int, handle: Any) -> None:
         """The outstanding `run` call: its end is the worker's exit, its failure the process's death."""
@@ -308,6 +336,8 @@ class Controller:
             self.journal.emit("run_failed", error=getattr(self.protocol.state, "error", "the controller stopped"))
         for handle in self.handles.values():
             ray.kill(handle)
+        for group in self.placement_groups.values():
+            remove_placement_group(group)
         await asyncio.to_thread(self.journal.flush)
 
     def _goodput(self) -> float:

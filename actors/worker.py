@@ -28,6 +28,7 @@ from elastic.errors import WorkerEvictedError
 from elastic.faults import Fault
 from elastic.group import GenerationSpec, is_peer_failure
 from elastic.mailbox import GenerationMailbox
+from elastic.replicas import ReplicaShape
 from elastic.storage import RunStorage
 
 REPORT_FLUSH_INTERVAL_S = 0.2
@@ -53,6 +54,8 @@ class Worker:
         use_gpu: bool,
         num_cpus: float,
         strategy: Strategy,
+        shape: ReplicaShape,
+        slot: int,
     ) -> None:
         torch.set_num_threads(max(1, int(num_cpus)))
         self.worker_id = worker_id
@@ -67,7 +70,7 @@ class Worker:
         writer = CheckpointWriter(storage, on_written=lambda report: ray.get(controller.shard_written.remote(report)))
         self.ctx = TrainContext(
             data_config, self.mailbox, faults, self._reports.append, use_gpu, checkpoint_config, writer,
-            on_fault=self._on_fault, strategy=strategy,
+            on_fault=self._on_fault, strategy=strategy, shape=shape, slot=slot,
             latest_checkpoint=lambda: ray.get(controller.latest_checkpoint_of_run.remote()),
         )
         self._stop = threading.Event()

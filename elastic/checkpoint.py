@@ -14,6 +14,11 @@ all match is not a checkpoint, for any reader. `verify` hashes every file once; 
 `Checkpoint` it returns remembers that, so loading it checks only sizes (a checkpoint made
 any other way is hashed as it loads). Loading uses `torch.load(weights_only=True)`:
 storage is shared, and a checkpoint must never be able to run code.
+
+A pipelined run's stages hold different state, so each stage is a part of its own,
+`stage-<i>/`, whose shards the replicas write as ranks write a plain run's: replica r of R
+writes the r-th slice of its stage's state. A part resumes at any number of replicas, and
+`model_state_dict()` joins the stages' layers into the whole model's state dict.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ MANIFEST = "manifest.json"
 USER_FILES = "user"
 REPORTED = "reported"  # the directory rank 0 reported with elastic.report(checkpoint=...)
 OPTIMIZER_SHARDS = "optimizer-shards"
+STAGE_PART = "stage-{}"  # a pipelined run's stage i
 # A large write is hashed and written in pieces of this size: small enough that the hash and the
 # write read a piece while it is still in the CPU cache.
 HASH_PIECE_BYTES = 8 << 20
@@ -60,6 +66,15 @@ def step_dir(step: int) -> str:
 
 def shard_name(rank: int, world_size: int) -> str:
     return f"shard-{rank:05d}-of-{world_size:05d}.pt"
+
+
+@dataclass(frozen=True)
+class Part:
+    """The part of a checkpoint a rank writes a slice of: a pipelined run's stage, sliced over its replicas."""
+
+    name: str
+    index: int  # the writer's replica
+    count: int  # the replicas
 
 
 def optimizer_shard_name(rank: int, world_size: int) -> str:
@@ -206,16 +221,37 @@ class Checkpoint:
             names = [name for name, (rank, size) in zip(names, writers) if wanted(rank, size)] or names[:1]
         return [torch.load(io.BytesIO(self._read(self._entry(name))), weights_only=True) for name in names]
 
-    def load_state(self) -> dict[str, Any]:
-        """{"model": ..., "optimizer": ..., <other registered state>..., "progress": {...}}."""
-        world_size = self.world_size
-        shards = []
-        for rank in range(world_size):
-            data = self._read(self._entry(shard_name(rank, world_size)))
-            shards.append(torch.load(io.BytesIO(data), weights_only=True))
+    @property
+    def parts(self) -> list[str]:
+        """A pipelined run's stage parts ("stage-0", ...), or [] for a run without pipeline stages."""
+        return sorted({e["name"].split("/")[0] for e in self.manifest["files"]
+                       if e["name"].startswith(STAGE_PART.format("")) and "/shard-" in e["name"]},
+                      key=lambda part: int(part.rpartition("-")[2]))
+
+    def load_state(self, part: str = "") -> dict[str, Any]:
+        """{"model": ..., "optimizer": ..., <other registered state>..., "progress": {...}}: of the
+        whole run, or of one `part` (a pipelined run's stage)."""
+        if part not in (self.parts or [""]):
+            written = f"with the parts {self.parts}" if self.parts else "without pipeline stages"
+            raise CheckpointError(f"checkpoint {self.path} has no part {part or 'for a run without pipeline stages'!r}: "
+                                  f"it was written {written}; resume it with the pipeline_stages of the run that "
+                                  f"wrote it ({len(self.parts) or 1}), or load it with load_state(part) of its parts")
+        if part:
+            prefix = f"{part}/shard-"
+            names = sorted(e["name"] for e in self.manifest["files"] if e["name"].startswith(prefix))
+        else:
+            names = [shard_name(rank, self.world_size) for rank in range(self.world_size)]
+        shards = [torch.load(io.BytesIO(self._read(self._entry(name))), weights_only=True) for name in names]
         buffers = {dtype: torch.cat([s["chunks"][dtype] for s in shards]) for dtype in shards[0]["chunks"]}
         payload = unflatten(shards[0]["structure"], buffers)
         return {**payload["state"], "progress": payload["progress"]}
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The whole model's state dict: a pipelined run's stages' layers joined under their names."""
+        merged: dict[str, Any] = {}
+        for part in self.parts or [""]:
+            merged.update(self.load_state(part)["model"])
+        return merged
 
     def _read(self, entry: dict[str, Any]) -> bytes:
         data = self.storage.read_bytes(entry["name"])
@@ -315,14 +351,14 @@ class CheckpointWriter:
     def submit(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
                user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool = False,
                optimizer_shard: dict[str, Any] | None = None, reported_files: dict[str, bytes] | None = None,
-               generation: int = 0) -> None:
+               generation: int = 0, part: Part | None = None) -> None:
         """Write this rank's shard (and `optimizer_shard`, its part of a ZeRO optimizer's state, a
         copy; on rank 0 the user's files and the `reported_files` of elastic.report) in the background."""
         self.wait()
         self._thread = threading.Thread(
             target=self._write,
             args=(snapshot, rank, world_size, stall_s, dict(user_files), dict(metadata), crash_midway,
-                  optimizer_shard, dict(reported_files or {}), generation),
+                  optimizer_shard, dict(reported_files or {}), generation, part),
             daemon=True, name="elastic-checkpoint",
         )
         self._thread.start()
@@ -334,7 +370,8 @@ class CheckpointWriter:
 
     def _write(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
                user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool,
-               optimizer_shard: dict[str, Any] | None, reported_files: dict[str, bytes], generation: int) -> None:
+               optimizer_shard: dict[str, Any] | None, reported_files: dict[str, bytes], generation: int,
+               part: Part | None) -> None:
         started = time.perf_counter()
         folder = checkpoint_storage(self.run, snapshot.step)
         report: dict[str, Any] = {"step": snapshot.step, "rank": rank, "world_size": world_size,
@@ -342,12 +379,13 @@ class CheckpointWriter:
                                   "files": []}
         try:
             self.run.fs.create_dir(folder.root, recursive=True)
-            chunks = shard_chunks(snapshot, rank, world_size)
-            payload = {"format_version": FORMAT_VERSION, "rank": rank, "world_size": world_size, "chunks": chunks,
-                       "structure": snapshot.structure if rank == 0 else None}
+            index, count = (part.index, part.count) if part else (rank, world_size)
+            chunks = shard_chunks(snapshot, index, count)
+            payload = {"format_version": FORMAT_VERSION, "rank": index, "world_size": count, "chunks": chunks,
+                       "structure": snapshot.structure if index == 0 else None}
             crash_after = sum(c.numel() * c.element_size() for c in chunks.values()) // 2 if crash_midway else None
-            report["files"].append(
-                write_file(folder, shard_name(rank, world_size), lambda out: torch.save(payload, out), crash_after))
+            name = f"{part.name}/{shard_name(index, count)}" if part else shard_name(rank, world_size)
+            report["files"].append(write_file(folder, name, lambda out: torch.save(payload, out), crash_after))
             if optimizer_shard is not None:
                 report["files"].append(write_file(folder, optimizer_shard_name(rank, world_size),
                                                   lambda out: torch.save(optimizer_shard, out)))

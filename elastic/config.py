@@ -7,6 +7,7 @@ fixes the global batch, which elastic keeps constant at every world size.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -36,6 +37,14 @@ class ScalingConfig(_Frozen):
         0, ge=0, description="Workers kept started and idle beyond max_workers; one joins at the next step "
         "boundary when a member dies, so the run is back to full size after one state sync."
     )
+    pipeline_stages: int = Field(
+        1, gt=0, description="Workers per replica, each holding one pipeline stage of the model (docs/parallelism.md). "
+        "Above 1 the replica is the elastic unit: a death takes out its replica and the others heal in place.")
+    min_replicas: int | None = Field(
+        None, gt=0, description="Fewest replicas of pipeline_stages workers training may continue with; sets "
+        "min_workers to min_replicas x pipeline_stages.")
+    max_replicas: int | None = Field(
+        None, gt=0, description="Most replicas the run grows to; sets max_workers to max_replicas x pipeline_stages.")
     use_gpu: bool = Field(False, description="Give each worker one GPU and use NCCL instead of gloo.")
     resources_per_worker: dict[str, float] = Field(
         default_factory=dict,
@@ -58,8 +67,41 @@ class ScalingConfig(_Frozen):
             )
         return {**values, "min_workers": fixed, "max_workers": fixed}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _in_replicas(cls, values: Any) -> Any:
+        if not isinstance(values, dict) or values.get("num_workers") is not None:
+            return values  # num_workers counts workers: the check after validation finds a partial replica
+        stages = values.get("pipeline_stages", 1)
+        counted = {}
+        for bound in ("min", "max"):
+            replicas = values.get(f"{bound}_replicas")
+            if replicas is None and values.get(f"{bound}_workers") is None:
+                replicas = 1  # one replica, as one worker is without pipeline stages
+            if not isinstance(replicas, int) or not isinstance(stages, int):
+                continue  # unset, or a bad value the field validators report
+            workers = replicas * stages
+            given = values.get(f"{bound}_workers")
+            if given is not None and given != workers:
+                raise ValueError(
+                    f"{bound}_replicas({replicas}) x pipeline_stages({stages}) is {workers} workers, but "
+                    f"{bound}_workers({given}) differs; give the run's size in replicas or in workers, not both")
+            counted[f"{bound}_workers"] = workers
+        return {**values, **counted}
+
     @model_validator(mode="after")
     def _check(self) -> "ScalingConfig":
+        for bound in ("min", "max"):
+            workers = getattr(self, f"{bound}_workers")
+            if workers % self.pipeline_stages:
+                raise ValueError(
+                    f"{bound}_workers({workers}) is not a whole number of replicas of pipeline_stages("
+                    f"{self.pipeline_stages}) workers; give min_replicas and max_replicas instead")
+        if self.pipeline_stages > 1 and self.spare_workers:
+            raise ValueError(
+                f"spare_workers({self.spare_workers}) with pipeline_stages({self.pipeline_stages}) is not built: a spare "
+                "would have to be a whole replica; leave spare_workers at 0, and a new replica forms when capacity "
+                "for one is back")
         if self.min_workers > self.max_workers:
             raise ValueError(
                 f"min_workers({self.min_workers}) > max_workers({self.max_workers}); "
@@ -80,6 +122,11 @@ class ScalingConfig(_Frozen):
         resources = {"CPU": 1.0, **({"GPU": 1.0} if self.use_gpu else {})}
         resources.update(self.resources_per_worker)
         return resources
+
+    @property
+    def replica_size(self) -> int:
+        """Workers per replica: the unit the run heals and grows by."""
+        return self.pipeline_stages
 
     @property
     def backend(self) -> Literal["nccl", "gloo"]:
@@ -270,6 +317,16 @@ class Strategy(_Frozen):
         "checkpointed and returned. Rescales happen only at those syncs."
     )
 
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = Field(
+        "1f1b", description="How a replica's stages interleave the micro-batches of its share, with "
+        "ScalingConfig(pipeline_stages > 1): 'gpipe' (all forwards, then all backwards), '1f1b' (PipeDream's one "
+        "forward, one backward) or 'interleaved1f1b' (two model parts per stage)."
+    )
+    pipeline_microbatches: int = Field(
+        4, gt=0, description="Equal micro-batches each replica cuts its share of the global batch into, with "
+        "ScalingConfig(pipeline_stages > 1); more shrink the bubble, (stages-1)/(microbatches+stages-1)."
+    )
+
     @field_validator("sync")
     @classmethod
     def _check_sync(cls, sync: str) -> str:
@@ -377,6 +434,37 @@ def check_strategy_fits(strategy: Strategy, checkpoint: CheckpointConfig) -> Non
         raise ValueError(f"CheckpointConfig(every_steps={checkpoint.every_steps}) is not a multiple of the "
                          f"{strategy.sync_options['kind']} interval {every} (sync={strategy.sync!r}): only the state of a "
                          f"sync is checkpointed; use every_steps={every * max(1, checkpoint.every_steps // every)}")
+
+
+def check_pipeline_fits(scaling: ScalingConfig, data: DataConfig, strategy: Strategy) -> None:
+    """Checks of a pipelined run (pipeline_stages > 1) across the three configs; raises ValueError."""
+    stages, m = scaling.pipeline_stages, strategy.pipeline_microbatches
+    if stages == 1:
+        return
+    others = {name: value for name, value in (("precision", strategy.precision), ("compression", strategy.compression),
+                                              ("zero", strategy.zero), ("sync", strategy.sync))
+              if value != Strategy.model_fields[name].default}
+    if others:
+        given = ", ".join(f"{k}={v!r}" for k, v in others.items())
+        raise ValueError(f"Strategy({given}) with pipeline_stages({stages}) is not built: pipelined replicas average "
+                         "fp32 gradients every step; leave those at their defaults")
+    if strategy.pipeline_schedule == "1f1b" and m < stages:
+        raise ValueError(f"pipeline_schedule='1f1b' needs a micro-batch per stage: pipeline_microbatches({m}) < "
+                         f"pipeline_stages({stages}); use pipeline_microbatches >= {stages}")
+    if strategy.pipeline_schedule == "interleaved1f1b" and m % stages:
+        raise ValueError(f"pipeline_schedule='interleaved1f1b' runs the micro-batches in rounds of pipeline_stages("
+                         f"{stages}): pipeline_microbatches({m}) must be a multiple of {stages}")
+    for replicas in range(scaling.min_workers // stages, scaling.max_workers // stages + 1):
+        if data.global_batch_size % (replicas * m):
+            raise ValueError(
+                f"global_batch_size({data.global_batch_size}) does not split into {replicas} equal replica shares of "
+                f"pipeline_microbatches({m}) equal micro-batches; every replica count from min to max must divide "
+                f"it: use a multiple of {_lcm_of_shares(scaling, m)}, or change the replica range")
+
+
+def _lcm_of_shares(scaling: ScalingConfig, microbatches: int) -> int:
+    counts = range(scaling.min_workers // scaling.pipeline_stages, scaling.max_workers // scaling.pipeline_stages + 1)
+    return math.lcm(*(replicas * microbatches for replicas in counts))
 
 
 def check_fits(scaling: ScalingConfig, data: DataConfig) -> None:

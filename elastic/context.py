@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic import data as data_math
 from elastic import reported
-from elastic.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, take_snapshot
+from elastic.checkpoint import STAGE_PART, Checkpoint, CheckpointError, CheckpointWriter, Part, take_snapshot
 from elastic.collectives import Collectives
 from elastic.config import CheckpointConfig, DataConfig, Strategy
 from elastic.errors import ElasticError, StateLostError, UnweightedBackwardError, WorkerEvictedError
@@ -54,7 +54,9 @@ from elastic.group import (
 )
 from elastic.loader import Loader, open_loader, to_device
 from elastic.mailbox import GenerationMailbox
+from elastic.pipelined_replica import PipelinedReplica, ReplicaBatch, concatenated
 from elastic.random_state import RandomState
+from elastic.replicas import Position, ReplicaShape
 from elastic.step import BetweenSteps, ElasticDDP, MicroBatch, Step
 from elastic.stream import StreamLoader
 from elastic.state_sync import load_into, state_of, sync_state
@@ -106,6 +108,8 @@ class TrainContext:
         on_fault: Callable[[Fault], None] = lambda fault: None,
         strategy: Strategy = Strategy(),
         latest_checkpoint: Callable[[], Checkpoint | None] = lambda: None,
+        shape: ReplicaShape = ReplicaShape(),
+        slot: int = 0,
     ) -> None:
         if checkpoint_config.enabled and writer is None:
             raise ElasticError("a checkpoint schedule needs a CheckpointWriter")
@@ -152,6 +156,11 @@ class TrainContext:
         self._inside_step = False  # between a step's __enter__ and __exit__
         self._flag: tuple[dist.Work, torch.Tensor] | None = None
         self._loader: Loader | StreamLoader | None = None
+        self.shape = shape  # workers per replica; a pipelined run's replica is the elastic unit
+        self._slot = slot  # this worker's place in its replica, for its whole life: its pipeline stage
+        self._pipeline: PipelinedReplica | None = None
+        self._position: Position | None = None  # its replica and stage in the current generation
+        self._data_group: dist.ProcessGroup | None = None  # the same stage of every replica, this generation
 
     # --- what the train loop sees ------------------------------------------------------
     @property
@@ -167,6 +176,25 @@ class TrainContext:
         return self.spec.local_rank if self.spec else -1
 
     @property
+    def num_replicas(self) -> int:
+        """Replicas in the current generation: the data-parallel size (the world size without pipeline stages)."""
+        return self.world_size // self.shape.size
+
+    @property
+    def replica_rank(self) -> int:
+        """This worker's replica in the current generation: its data-parallel rank."""
+        return self._position.replica if self._position else self.rank
+
+    @property
+    def pipeline_stage(self) -> int:
+        """The pipeline stage this worker holds (0 without pipeline stages)."""
+        return self._slot
+
+    @property
+    def pipelined(self) -> bool:
+        return self.shape.pipeline_stages > 1
+
+    @property
     def generation(self) -> int:
         return self.spec.generation if self.spec else -1
 
@@ -175,14 +203,23 @@ class TrainContext:
         """Optimizer steps committed so far in the run."""
         return self._step_index
 
-    def prepare_model(self, model: torch.nn.Module) -> ElasticDDP:
+    def prepare_model(self, model: torch.nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                      ) -> ElasticDDP | PipelinedReplica:
         """Register `model` for healing and wrap it in DDP; call before `steps()`.
 
         Under Strategy(zero=2 or 3) each generation shards it with FSDP2 instead: the returned
         module then holds that generation's sharded module (DTensor parameters) as `module`.
+        With ScalingConfig(pipeline_stages > 1), `model` is an nn.Sequential cut into that many
+        stages and `loss_fn(outputs, targets)` the mean loss the last stage computes: the
+        returned `PipelinedReplica` holds this worker's stage (elastic.pipelined_replica).
         """
-        if self._model is not None:
+        if self._model is not None or self._pipeline is not None:
             raise ElasticError("prepare_model() was called twice; elastic syncs one model per run")
+        if self.pipelined:
+            return self._prepare_pipeline(model, loss_fn)
+        if loss_fn is not None:
+            raise ElasticError("prepare_model(model, loss_fn) takes a loss_fn only in a pipelined run "
+                               "(ScalingConfig(pipeline_stages > 1)); compute the loss in the train loop instead")
         model.to(self.device)
         self._model = ElasticDDP(self, model)
         self._objects["model"] = model
@@ -191,6 +228,18 @@ class TrainContext:
             # Each generation's FSDP2 module replaces the last one as the prepared model's `module`.
             self.techniques.sharded.on_rebuilt = lambda module: setattr(self._model, "module", module)
         return self._model
+
+    def _prepare_pipeline(self, model: torch.nn.Module, loss_fn: Callable | None) -> PipelinedReplica:
+        if loss_fn is None:
+            raise ElasticError(f"with pipeline_stages({self.shape.pipeline_stages}) the last stage computes the loss: "
+                               "call ctx.prepare_model(model, loss_fn=...), e.g. loss_fn=nn.functional.mse_loss, "
+                               "a function of (outputs, targets) returning their mean loss")
+        model.to(self.device)
+        self._pipeline = PipelinedReplica(model, loss_fn, stages=self.shape.pipeline_stages, stage=self._slot,
+                                          microbatches=self.strategy.pipeline_microbatches,
+                                          schedule=self.strategy.pipeline_schedule)
+        self._objects["model"] = self._pipeline
+        return self._pipeline
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register `optimizer` for healing; its `step()` commits the current global step.
@@ -349,6 +398,9 @@ class TrainContext:
 
     # --- steps and micro-batches -------------------------------------------------------
     def _micro_batches(self, step: Step) -> Iterator[MicroBatch]:
+        if self.pipelined:
+            raise ElasticError("in a pipelined run the stages take the replica's share as one batch, which the "
+                               "schedule cuts into micro-batches: use `batch = step.batch()` and `model.step(batch)`")
         loaded = self._loader.step(step.cursor, step.world_size, step.rank)
         ddp = self._model.ddp if self._model else None
         if self.faults.slow_extra_s:
@@ -369,6 +421,39 @@ class TrainContext:
                     yield batch
             else:
                 yield batch
+
+    def _replica_batch(self, step: Step) -> ReplicaBatch:
+        """The replica's share of `step` as one batch, which every stage of the replica reads alike."""
+        if not self.pipelined:
+            raise ElasticError("step.batch() gives a pipelined run's replica its share (ScalingConfig(pipeline_stages "
+                               "> 1)); iterate step.micro_batches() and call mb.backward(loss) instead")
+        replicas, replica = self.num_replicas, self._position.replica
+        loaded = [micro for micro in self._loader.step(step.cursor, replicas, replica) if micro.samples]
+        if self.faults.slow_extra_s:
+            time.sleep(self.faults.slow_extra_s)  # an injected straggler
+        samples = sum(micro.samples for micro in loaded)
+        if samples % self.strategy.pipeline_microbatches:
+            raise ElasticError(
+                f"step {step.index} gives replica {replica} of {replicas} {samples} samples, which do not cut into "
+                f"pipeline_microbatches({self.strategy.pipeline_microbatches}) equal micro-batches (the epoch's last "
+                "step is short when the dataset's size is not a multiple of global_batch_size): set "
+                "DataConfig(drop_last=True), or give a dataset of a multiple of global_batch_size samples")
+        return ReplicaBatch(
+            data=to_device(concatenated([micro.data for micro in loaded]), self.device),
+            indices=torch.cat([micro.indices for micro in loaded]),
+            weight=samples / step.samples,  # the replicas' weighted gradients sum to the step's mean
+            on_sync=lambda: self._backpropagated(step))
+
+    def _backpropagated(self, step: Step) -> None:
+        step.weighted += 1
+        self._enter_sync(step)
+
+    def _average_over_replicas(self, flat: torch.Tensor) -> None:
+        """Sum a flat gradient buffer across the replicas, abortable like DDP's all-reduce."""
+        self.faults.at("allreduce", self.rank, self.step)
+        future = self._gradient_all_reduce.all_reduce(flat, self._data_group)
+        self._launched += 1
+        future.wait()
 
     def _commit(self) -> None:
         step = self._current_step
@@ -454,8 +539,15 @@ class TrainContext:
         self._writer.submit(snapshot, self.rank, self.world_size, time.perf_counter() - started,
                             self._checkpoint_files, self._checkpoint_metadata, crash_midway=crash,
                             optimizer_shard=optimizer_shard, reported_files=self._reported_files,
-                            generation=self.generation)
+                            generation=self.generation,
+                            part=Part(self._checkpoint_part, self.replica_rank, self.num_replicas) if self.pipelined
+                            else None)
         self._last_checkpoint = time.monotonic()
+
+    @property
+    def _checkpoint_part(self) -> str:
+        """The part of a checkpoint this worker writes and restores: its stage's, in a pipelined run."""
+        return STAGE_PART.format(self._slot) if self.pipelined else ""
 
     def _join(self, reason: str, lost: int = 0) -> None:
         """Leave the current generation and join the newest one the controller offers.
@@ -495,13 +587,15 @@ class TrainContext:
         self._flag = None
         if self._model is not None:
             self._model.ddp = None
+        held = [self._data_group, *(self._pipeline.unbind() if self._pipeline is not None else [])]
+        self._data_group = None
         with self._group_lock:
             self._group = None
         if self._gradient_all_reduce is not None:
             self._gradient_all_reduce.abort(
                 f"{PEER_ABORT_MARKER}: generation {self._gradient_all_reduce.generation} was left")
             self._gradient_all_reduce = None
-        leave_group(self.spec.backend if self.spec else "gloo")
+        leave_group(self.spec.backend if self.spec else "gloo", held)
 
     def _form(self, spec: GenerationSpec, left: float) -> dict[str, float] | None:
         """Join `spec`'s generation and sync state; the phases' seconds, or None if it was aborted.
@@ -523,20 +617,28 @@ class TrainContext:
         with self._group_lock:
             self._group = (spec.generation, dist.group.WORLD)
         abortable = spec.backend == "gloo" and spec.world_size >= ABORTABLE_FROM_WORLD_SIZE
+        data_group = pipeline_group = None
+        if self.pipelined:
+            data_group, pipeline_group = self._replica_groups(spec)
+            abortable = spec.backend == "gloo"
+        self._data_group = data_group
         self._gradient_all_reduce = GradientAllReduce(spec.generation, abortable)
         connected = time.perf_counter()
         if spec.restart:
-            # No member holds live state: rank 0 restores the checkpoint (or everyone starts
-            # over from step 0), and the sync below spreads rank 0's state.
+            # No member holds live state: rank 0 (each stage of replica 0 in a pipelined run)
+            # restores the checkpoint, or everyone starts over from step 0, and the sync below
+            # spreads its state.
             self._step_index = 0
             self._cursor = data_math.DataCursor(seed=self.data_config.seed)
-            if spec.resume_from is not None and spec.rank == 0:
+            restorer = spec.rank < self.shape.size
+            if spec.resume_from is not None and restorer:
                 self._restore(spec.resume_from)
         holds_state = self._holds_state and not spec.restart
         held = self.techniques.before_sync(self._objects, {"step": self._step_index, "cursor": self._cursor.to_dict()},
                                            holds_state)
         self._rolled_back = held.rolled_back
-        self._last_sync, progress = sync_state(self._objects, held.progress, self.device, holds_state)
+        # A pipelined replica's stage syncs with the same stage of the other replicas only.
+        self._last_sync, progress = sync_state(self._objects, held.progress, self.device, holds_state, data_group)
         self._holds_state = True
         self._step_index = progress["step"]
         self._cursor = data_math.DataCursor(**progress["cursor"])
@@ -544,15 +646,27 @@ class TrainContext:
                                    spec.resume_from if spec.restart else None)
         if self._model is not None:
             self._model.ddp = self._wrap(self._model.module)
+        if self._pipeline is not None:
+            self._pipeline.bind(pipeline_group, self._average_over_replicas)
         # The hang check compares these across the members of one generation: count afresh.
         self._entered_sync = self._launched = 0
         done = time.perf_counter()
         return {"leave_s": started - left, "barrier_s": arrived - started, "connect_s": connected - arrived,
                 "sync_s": done - connected}
 
+    def _replica_groups(self, spec: GenerationSpec) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """This generation's (data-parallel, pipeline) groups of this worker, from the replicas' mesh."""
+        self._position = self.shape.position(spec.rank)
+        if self._position.stage != self._slot:
+            raise ElasticError(f"rank {spec.rank} of generation {spec.generation} is stage {self._position.stage} of its "
+                               f"replica, but this worker holds stage {self._slot}: the controller must keep each "
+                               "replica's workers in stage order; this is a bug in elastic")
+        mesh = self.shape.mesh(spec.world_size, self.device.type)
+        return mesh.get_group("dp"), mesh.get_group("pp")
+
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Load a durable checkpoint into this rank; the sync then spreads it to the others."""
-        state = checkpoint.load_state()
+        state = checkpoint.load_state(self._checkpoint_part)
         # Checkpoints written before the RNG states were synced resume with this rank's streams.
         missing = sorted(set(self._objects) - set(state) - {"progress", "rng"})
         if missing:

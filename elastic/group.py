@@ -196,13 +196,15 @@ class GradientAllReduce:
         self._lock = threading.Lock()
         self._pending: set[torch.futures.Future] = set()
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        """Sum `tensor` across the group in place: a future of it, failed if the generation is aborted."""
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.futures.Future:
+        """Sum `tensor` across `group` (the generation's default group if None) in place: a future of
+        it, failed if the generation is aborted. Nothing here keeps `group` alive: a callback that
+        dropped its last reference would run its destructor on gloo's own thread, which joins itself."""
         if not self.abortable:
-            return dist.all_reduce(tensor, async_op=True).get_future().then(lambda done: done.value()[0])
+            return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda done: done.value()[0])
         result: torch.futures.Future = torch.futures.Future()
         with self._lock:
-            work = None if self.aborted else dist.all_reduce(tensor, async_op=True)
+            work = None if self.aborted else dist.all_reduce(tensor, group=group, async_op=True)
             if work is not None:
                 self._pending.add(result)
         if work is None:
@@ -245,7 +247,7 @@ def abort_communicator(group: dist.ProcessGroup) -> None:
     backend.abort()
 
 
-def leave_group(backend: str) -> None:
+def leave_group(backend: str, held: list[Any] | None = None) -> None:
     """Drop the current process group, if any, without waiting on peers that may be dead.
 
     A gloo group is let go of on a thread of its own. Its last reference closes its sockets
@@ -253,6 +255,9 @@ def leave_group(backend: str) -> None:
     ~0.15 s at 16 ranks on the train thread, in every heal and every grow. It also joins
     gloo's threads, which wait for any operation still blocked on a dead peer. No garbage
     collection is forced here either: it cost about 0.2 s of every heal and grow.
+
+    `held` lists the caller's last references to subgroups of the group (a pipelined run's),
+    or to what holds them; they go to the same thread, and the list is emptied.
     """
     if not dist.is_initialized():
         return
@@ -261,6 +266,8 @@ def leave_group(backend: str) -> None:
         return
     # The only reference outside torch's registry goes to the thread, so it is the last. Not
     # a daemon: the interpreter waits for it at exit instead of tearing gloo down under it.
-    parcel = [dist.group.WORLD]
+    parcel = [dist.group.WORLD, *(held or [])]
+    if held:
+        held.clear()
     dist.destroy_process_group()
     threading.Thread(target=parcel.clear, name="elastic-leave").start()

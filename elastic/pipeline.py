@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -112,7 +113,7 @@ class PipelinedModel:
             raise ElasticError(f"The stage group has {size} ranks and the model is cut for stages({self.stages}): "
                                f"bind each replica's group of exactly {self.stages} ranks, one per stage")
         if self.stage_rank is None:
-            self._hold(rank)
+            self.hold(rank)
         elif rank != self.stage_rank:
             raise ElasticError(f"This process holds stage {self.stage_rank}'s parameters but is rank {rank} of the new "
                                f"stage group, and torch runs stage i on rank i: form each generation's stage group "
@@ -150,8 +151,21 @@ class PipelinedModel:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()
 
-    def _hold(self, rank: int) -> None:
-        """Keep the parts stage `rank` runs, and forget the other stages' layers."""
+    def unbind(self) -> list[Any]:
+        """Drop the binding's stages and schedule, which hold its process group, and return them: a
+        group's last reference decides the thread its destructor runs on (see elastic.group.leave_group)."""
+        held = [self.pipeline_stages, self._schedule]
+        self.pipeline_stages, self._schedule, self._shapes = [], None, {}
+        return held
+
+    def hold(self, rank: int) -> None:
+        """Keep the parts stage `rank` runs, and forget the other stages' layers: the first bind does this,
+        and a process that knows its stage before any group forms (an elastic run's worker) may do it sooner."""
+        if self.stage_rank is not None:
+            if rank != self.stage_rank:
+                raise ElasticError(f"This process already holds stage {self.stage_rank}'s parameters; it cannot hold "
+                                   f"stage {rank}'s")
+            return
         self._parts = {index: nn.Sequential(OrderedDict(self._layers[start:stop]))
                        for index, (start, stop) in enumerate(self.spans) if index % self.stages == rank}
         self._module = nn.Module()

@@ -65,13 +65,15 @@ def decide_membership(
     generation_broken: bool,
     min_workers: int,
     max_workers: int,
+    unit: int = 1,
 ) -> NoopDecision | ResizeDecision | WaitDecision:
     """The next membership, from the live members of the current generation and ready newcomers.
 
     Members keep their order (so ranks change as little as possible); newcomers are appended
-    up to `max_workers`. Below `min_workers` the answer is to wait for capacity.
+    up to `max_workers`. Below `min_workers` the answer is to wait for capacity. With replicas
+    of `unit` workers, `ready` lists whole replicas, member by member, and only whole ones join.
     """
-    room = max(0, max_workers - len(members))
+    room = max(0, max_workers - len(members)) // unit * unit
     joining = tuple(ready[:room])
     wanted = tuple(members) + joining
     if len(wanted) < min_workers:

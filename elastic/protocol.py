@@ -118,8 +118,10 @@ class Protocol:
             return []
         record.status, record.node, record.pid = Status.IDLE, obs.node, obs.pid
         self.first_ready_at = self.first_ready_at or now
-        actions = [Emit("worker_started", {"worker_id": obs.worker_id, "node": obs.node, "pid": obs.pid,
-                                           "host": obs.host})]
+        started = {"worker_id": obs.worker_id, "node": obs.node, "pid": obs.pid, "host": obs.host}
+        if self.scaling.replica_size > 1:
+            started["replica"] = obs.worker_id // self.scaling.replica_size
+        actions = [Emit("worker_started", started)]
         return actions + self._reconcile(now)
 
     def _on_exited(self, obs: WorkerExited, now: float) -> list[Action]:
@@ -293,8 +295,10 @@ class Protocol:
         if self.running < 0 and not self.members and starting and self.first_ready_at is not None \
                 and now - self.first_ready_at < START_GRACE_S and len(idle) < self.scaling.max_workers:
             return []  # the first generation waits briefly for workers starting alongside
-        decision = policies.decide_membership(self.members, idle, self.broken or not self.members,
-                                              self.scaling.min_workers, self.scaling.max_workers)
+        ready = [w for w in idle if all(self.workers[m].status == Status.IDLE for m in self._replica_of(w))]
+        decision = policies.decide_membership(self.members, ready, self.broken or not self.members,
+                                              self.scaling.min_workers, self.scaling.max_workers,
+                                              self.scaling.replica_size)
         if isinstance(decision, policies.WaitDecision):
             if isinstance(self.state, Waiting):
                 return []
@@ -366,6 +370,7 @@ class Protocol:
         actions: list[Action] = []
         if isinstance(self.state, Finishing):
             return self._maybe_finished()
+        actions += self._release_replica_of(worker_id)
         state = self.state
         if isinstance(state, (Preparing, Forming)) and worker_id in state.formation.members:
             actions += self._abort_formation(now)
@@ -383,6 +388,26 @@ class Protocol:
                     message = f"every worker was lost (the last: worker {worker_id}); {decision.reason}"
                     return actions + self._enter(Failed(message, "all_lost"), decision.reason)
         return actions + self._top_up() + self._reconcile(now)
+
+    def _release_replica_of(self, worker_id: int) -> list[Action]:
+        """A replica cannot run without any one of its stages: the rest of a lost worker's replica
+        leaves with it, and a new replica forms when capacity for a whole one is back."""
+        actions: list[Action] = []
+        for mate in self._replica_of(worker_id):
+            record = self.workers[mate]
+            if mate == worker_id or record.status == Status.GONE:
+                continue
+            why = f"worker {worker_id} of its replica was lost; a replica trains only whole"
+            actions += [self._worker_failed(mate, "replica", why), Kill(mate)]
+            record.status, record.evicted_for = Status.GONE, "replica"
+            self.members = tuple(w for w in self.members if w != mate)
+        return actions
+
+    def _replica_of(self, worker_id: int) -> range:
+        """The workers of `worker_id`'s replica: workers are started in whole replicas, with consecutive ids."""
+        size = self.scaling.replica_size
+        first = worker_id // size * size
+        return range(first, first + size)
 
     def _collective_deadlock(self, blocked: list[str], now: float) -> list[Action]:
         """Every member waits in a collective the others never complete: a bug in the train
@@ -454,6 +479,8 @@ class Protocol:
         """Request workers until live ones reach max_workers plus the warm spares."""
         live = sum(r.status != Status.GONE for r in self.workers.values())
         count = policies.workers_to_start(live, self.scaling.max_workers + self.scaling.spare_workers)
+        size = self.scaling.replica_size
+        count = -(-count // size) * size  # whole replicas: the lost ones went whole
         ids = tuple(range(len(self.workers), len(self.workers) + count))
         for worker_id in ids:
             self.workers[worker_id] = WorkerRecord(worker_id)

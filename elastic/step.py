@@ -18,6 +18,7 @@ from elastic.group import is_peer_failure
 
 if TYPE_CHECKING:
     from elastic.context import TrainContext
+    from elastic.pipelined_replica import ReplicaBatch
 
 
 @dataclass
@@ -72,6 +73,13 @@ class Step:
                 yield batch
         finally:
             batches.close()  # leaves DDP's no_sync at once if the loop stops early
+
+    def batch(self) -> "ReplicaBatch":
+        """A pipelined run's share of this step for this worker's replica, as one batch for
+        `model.step(batch)`: the pipeline schedule cuts it into micro-batches."""
+        batch = self._ctx._replica_batch(self)
+        self.given += 1
+        return batch
 
     def __enter__(self) -> "Step":
         self.entered = True

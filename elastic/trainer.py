@@ -21,7 +21,8 @@ from typing import Any, Callable
 import ray
 
 from elastic.checkpoint import Checkpoint
-from elastic.config import DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_strategy_fits
+from elastic.config import (DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_pipeline_fits,
+                            check_strategy_fits)
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
 from elastic.events import read_events
 from elastic.faults import Fault, check_faults
@@ -86,6 +87,7 @@ class ElasticTrainer:
         self.data_config = data_config
         self.strategy = strategy or Strategy()
         check_strategy_fits(self.strategy, run_config.checkpoint_config)
+        check_pipeline_fits(scaling_config, data_config, self.strategy)
         _check_faults_fire(self.faults, self.strategy)
         self.address = address or os.environ.get("RAY_ADDRESS")
         self.show_progress = show_progress

@@ -47,7 +47,7 @@ SOAK = Pace(max_steps=3 * STEPS_PER_EPOCH, compute_s=3.0, hang_floor_s=10.0)
 @dataclass(frozen=True)
 class Cell:
     faults: tuple = ()
-    kill: str = ""  # an outside SIGKILL: "rank1-mid-step", "ranks1-2-within-100ms", "rank0", "newcomer", "all"
+    kill: str = ""  # an outside SIGKILL: "mid-step", "ranks1-2-within-100ms", "rank0", "newcomer", "all"
     restart: bool = False  # a restart from the checkpoint is the documented outcome
     victims: int = 1  # workers that die
 
@@ -55,7 +55,7 @@ class Cell:
 CELLS = {
     "step-start": Cell(faults=(Fault(kind="kill", rank=1, step=12),)),
     "mid-allreduce": Cell(faults=(Fault(kind="kill", rank=1, step=12, where="allreduce"),)),
-    "mid-step-sigkill": Cell(kill="rank1-mid-step"),
+    "mid-step-sigkill": Cell(kill="mid-step"),
     "heal-formation": Cell(faults=(Fault(kind="kill", rank=2, step=12), Fault(kind="kill", rank=1, step=12, where="barrier")),
                            victims=2),
     "grow-before-newcomer-joined": Cell(faults=(Fault(kind="kill", rank=2, step=4),

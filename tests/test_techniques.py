@@ -333,7 +333,7 @@ def test_slow_steps_heal_a_sigkill_sent_from_outside_at_a_moment_inside_a_step(l
                                                                                strategy):
     # From step 12 on, rank 1's process is killed at a random moment of a step: mid-interval
     # for DiLoCo and EASGD, anywhere in the forward, the gradient sync or ZeRO's own step.
-    killer = OutsideKiller("rank1-mid-step", str(tmp_path), "sigkill", SimpleNamespace(compute_s=SLOW_STEP_S), seed=7)
+    killer = OutsideKiller("mid-step", str(tmp_path), "sigkill", SimpleNamespace(compute_s=SLOW_STEP_S), seed=7)
     killer.start()
     result = _fit(tmp_path, "sigkill", ScalingConfig(min_workers=2, max_workers=3), strategy,
                   compute_s=SLOW_STEP_S, optimizer="adamw")

@@ -154,6 +154,65 @@ def regression_loop(config: dict) -> dict:
     }
 
 
+def build_pipeline_mlp(dtype: torch.dtype = torch.float64) -> torch.nn.Sequential:
+    """Five layers, cut by 2 pipeline stages into (Linear, Tanh, Linear) and (Tanh, Linear)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 1)).to(dtype)
+
+
+def pipeline_loop(config: dict) -> dict:
+    """`regression_loop`'s task in a pipelined run: each replica pipelines its share through its
+    stages, with the same per-sample ledger (counted by each replica's stage 0) and AdamW."""
+    ctx = elastic.get_context()
+    dataset = regression_data()
+    model = ctx.prepare_model(build_pipeline_mlp(), loss_fn=torch.nn.functional.mse_loss)
+    optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    ledger = torch.zeros(-(-config["max_steps"] // STEPS_PER_EPOCH), NUM_SAMPLES, dtype=torch.float64)
+    ctx.register_state("ledger", ledger)
+    losses = {}
+    for step in ctx.steps(dataset):
+        with step:
+            time.sleep(config.get("compute_s", 0.0))
+            batch = step.batch()
+            loss = model.step(batch)
+            counts = torch.zeros(NUM_SAMPLES, dtype=torch.float64)
+            if ctx.pipeline_stage == 0:
+                counts[batch.indices] += 1
+            dist.all_reduce(counts)  # every replica's stage 0 counted its share
+            optimizer.step()
+            optimizer.zero_grad()
+            ledger[step.cursor.epoch] += counts
+        if loss is not None:
+            losses[step.index] = loss.item()
+            elastic.report({"loss": loss.item()})
+        hold_at_gate(config, step.index)
+    return {"ledger": ledger.clone(), "stage": ctx.pipeline_stage, "losses": losses}
+
+
+def plain_reference(max_steps: int, global_batch: int = GLOBAL_BATCH) -> dict[str, torch.Tensor]:
+    """`pipeline_loop`'s model trained by one process on each step's whole global batch, in the
+    run's sample order (elastic's own loader at world size 1), with the same AdamW."""
+    from elastic.config import DataConfig
+    from elastic.data import DataCursor
+    from elastic.loader import Loader
+
+    dataset = regression_data()
+    loader = Loader(dataset, DataConfig(global_batch_size=global_batch, micro_batch_size=global_batch,
+                                        max_steps=max_steps))
+    model = build_pipeline_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    cursor = DataCursor(seed=0)
+    for _ in range(max_steps):
+        (loaded,) = loader.step(cursor, 1, 0)
+        x, y = loaded.data
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        cursor = loader.advance(cursor)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def write_regression_parquet(folder: str, num_samples: int, files: int, filesystem=None, row_group_size: int = 16) -> None:
     """`regression_data` as Parquet: `files` files of row groups of `row_group_size` rows, with
     columns x (16 float64) and y (float64), sample i in row i of the files in name order."""
@@ -317,11 +376,14 @@ def check_collectives(collectives, rank: int) -> int:
 
 class OutsideKiller(threading.Thread):
     """Sends SIGKILL to workers of a running fit() from this process, when the run is where
-    the cell says: it reads the controller's status and the run's journal."""
+    the cell says: it reads the controller's status and the run's journal. "mid-step" kills rank
+    `victim` of the generation of `world_size` ranks at a random moment of a step after
+    `from_step`."""
 
-    def __init__(self, kind, storage, name, pace, seed):
+    def __init__(self, kind, storage, name, pace, seed, victim=1, world_size=3, from_step=12):
         super().__init__(daemon=True)
         self.kind, self.storage, self.name, self.pace = kind, storage, name, pace
+        self.victim, self.world_size, self.from_step = victim, world_size, from_step
         self.rng = random.Random(seed)
         self.killed: list[int] = []
         self.done = threading.Event()
@@ -332,11 +394,11 @@ class OutsideKiller(threading.Thread):
                 grow = self._wait_for(lambda e: e["type"] == "generation_formed" and e["kind"] == "grow")
                 self._kill(grow["members"][-1]["pid"])
                 return
-            self._wait_for_step(12 if self.kind != "all" else 20)
+            self._wait_for_step(self.from_step if self.kind != "all" else 20)
             members = self._latest_members()
-            if self.kind == "rank1-mid-step":
+            if self.kind == "mid-step":
                 time.sleep(self.rng.uniform(0, max(self.pace.compute_s, 0.01)))
-                self._kill(members[1]["pid"])
+                self._kill(members[self.victim]["pid"])
             elif self.kind == "ranks1-2-within-100ms":
                 self._kill(members[1]["pid"])
                 time.sleep(self.rng.uniform(0.0, 0.1))
@@ -375,5 +437,5 @@ class OutsideKiller(threading.Thread):
                 continue
 
     def _latest_members(self):
-        self._wait_for(lambda e: e["type"] == "generation_formed" and e["world_size"] == 3)
+        self._wait_for(lambda e: e["type"] == "generation_formed" and e["world_size"] == self.world_size)
         return [e for e in self._events() if e["type"] == "generation_formed"][-1]["members"]

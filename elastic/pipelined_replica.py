@@ -1,0 +1,131 @@
+"""The prepared model of a pipelined run: this worker's pipeline stage of its replica.
+
+With `ScalingConfig(pipeline_stages=S)`, `ctx.prepare_model(nn.Sequential(...), loss_fn=...)`
+returns a `PipelinedReplica`. The worker's stage is fixed when it starts (the i-th worker of a
+replica holds stage i for its whole life), so the other stages' layers are dropped at once and
+the optimizer is built over this stage's parameters:
+
+    model = ctx.prepare_model(nn.Sequential(...), loss_fn=nn.functional.mse_loss)
+    optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for step in ctx.steps(dataset):
+        with step:
+            batch = step.batch()             # this replica's share of the global batch: (inputs, targets)
+            loss = model.step(batch)         # the replica's mean loss on the last stage, None on the others
+            optimizer.step()
+            optimizer.zero_grad()
+
+`step(batch)` runs the replica's share through the pipeline schedule, which cuts it into
+`Strategy(pipeline_microbatches)` micro-batches and leaves each stage's gradient of the share's
+mean loss; then each stage's gradients are averaged across the replicas, over its data-parallel
+group (the same stage of every replica), each weighted by its share of the step's samples. That
+is the gradient of the global batch's mean loss, as one process would compute it: the same
+math at any number of replicas.
+
+Every generation binds the stage anew (`bind`): torch's pipeline stage and schedule hold their
+process group, and each generation's mesh has new ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic.errors import ElasticError
+from elastic.pipeline import PipelinedModel
+
+
+@dataclass
+class ReplicaBatch:
+    """A replica's share of one step: the collated `data` (inputs, targets), its sample `indices`,
+    and its `weight`, the share's part of the step's samples."""
+
+    data: Any
+    indices: torch.Tensor
+    weight: float
+    on_sync: Callable[[], None]  # called once the share's backward is done, before the gradients travel
+
+
+class PipelinedReplica:
+    """One stage of a replica's pipelined model, whose gradients average over the replicas."""
+
+    def __init__(self, layers: nn.Sequential, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                 stages: int, stage: int, microbatches: int, schedule: str) -> None:
+        self.pipe = PipelinedModel(layers, stages, loss_fn, microbatches=microbatches, schedule=schedule)
+        self.pipe.hold(stage)
+        self.stage = stage
+        self._average: Callable[[torch.Tensor], None] | None = None
+
+    @property
+    def module(self) -> nn.Module:
+        """This stage's layers, under the whole model's names."""
+        return self.pipe.module
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state)
+
+    def bind(self, pipeline_group: dist.ProcessGroup, average: Callable[[torch.Tensor], None]) -> None:
+        """Join this generation: the replica's stages over `pipeline_group`, and `average`, which sums
+        a flat buffer of gradients across the replicas in place (a collective of the stage's
+        data-parallel group)."""
+        self.pipe.bind(pipeline_group)
+        self._average = average
+
+    def unbind(self) -> list[Any]:
+        """Leave the generation: what held its process groups, for the caller to let go of."""
+        held = self.pipe.unbind()
+        self._average = None
+        return held
+
+    def step(self, batch: ReplicaBatch) -> torch.Tensor | None:
+        """Forward and backward of the replica's share through the pipeline, then the gradients
+        averaged across the replicas: each parameter's .grad is the global batch's."""
+        if self._average is None:
+            raise ElasticError("model.step(batch) runs inside `with step:` of ctx.steps(), once a generation formed")
+        inputs, targets = _inputs_and_targets(batch.data)
+        loss = self.pipe.step(inputs, targets)
+        batch.on_sync()
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        for dtype in sorted({g.dtype for g in grads}, key=str):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same]).mul_(batch.weight)
+            self._average(flat)
+            offset = 0
+            for grad in same:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        return loss
+
+
+def _inputs_and_targets(data: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        return data[0], data[1]
+    raise ElasticError(f"a pipelined run's dataset must give (inputs, targets) pairs of tensors, which stage 0 and the "
+                       f"last stage take; a batch of them collated to {type(data).__name__} is not one")
+
+
+def concatenated(parts: list[Any]) -> Any:
+    """Collated micro-batches (tensors, or tuples/lists/dicts of them) joined into one batch."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, (tuple, list)):
+        return type(first)(concatenated(list(items)) for items in zip(*parts))
+    if isinstance(first, dict):
+        return {key: concatenated([part[key] for part in parts]) for key in first}
+    raise ElasticError(f"a pipelined run joins its share's micro-batches into one batch, and cannot join "
+                       f"{type(first).__name__}; give a dataset whose samples collate to tensors")
+

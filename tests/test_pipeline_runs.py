@@ -1,0 +1,94 @@
+"""Pipelined runs: replicas of 2 pipeline stages are the elastic unit (real Ray actors, gloo).
+
+dp=2 x pp=2 on 4 workers, float64 with Tanh and AdamW. A stage worker dies (an injected kill
+at millisecond steps, or a SIGKILL sent from this process at a moment inside a slow step): its
+replica leaves whole, the other replica heals in place and carries the whole global batch, and
+a new replica forms when capacity for one is back. Every sample is consumed exactly once, and
+the final parameters, joined from the last checkpoint's stage parts, equal one plain process
+trained on each step's whole global batch.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy
+from elastic.checkpoint import Checkpoint
+from workloads import (GLOBAL_BATCH, STEPS_PER_EPOCH, OutsideKiller, fit_held, pipeline_loop, plain_reference,
+                       workers_started)
+
+MAX_STEPS = 24
+SLOW_STEP_S = 0.25
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return plain_reference(MAX_STEPS)
+
+
+def _fit(tmp_path, name, faults=(), compute_s=0.0, schedule="1f1b", resume_from=None, max_replicas=2):
+    """The run, held at step 12 until a new replica's workers started, so that the replica the
+    death took out comes back before the end."""
+    trainer = ElasticTrainer(
+        pipeline_loop,
+        train_loop_config={"max_steps": MAX_STEPS, "compute_s": compute_s, "gate": (12, str(tmp_path / "gate"))},
+        scaling_config=ScalingConfig(pipeline_stages=2, min_replicas=1, max_replicas=max_replicas),
+        run_config=RunConfig(name=name, storage_path=str(tmp_path), checkpoint_config=CheckpointConfig(every_steps=8)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=MAX_STEPS),
+        strategy=Strategy(pipeline_schedule=schedule, pipeline_microbatches=4),
+        faults=list(faults),
+        resume_from=resume_from,
+        show_progress=False,
+    )
+    return fit_held(trainer, workers_started(6))
+
+
+def _assert_exactly_once(ledger):
+    assert torch.equal(ledger, torch.ones(MAX_STEPS // STEPS_PER_EPOCH, ledger.shape[1], dtype=ledger.dtype))
+
+
+def _max_diff(params, reference):
+    assert params.keys() == reference.keys()
+    return max((params[k] - reference[k]).abs().max().item() for k in reference)
+
+
+def _assert_replica_left_whole_and_came_back(result, dead_rank):
+    formed = result.events_of("generation_formed")
+    before = next(e for e in formed if e["world_size"] == 4)
+    dead = before["members"][dead_rank]["worker_id"]
+    mate = before["members"][dead_rank ^ 1]["worker_id"]  # the other stage of the same replica
+    released = [e for e in result.events_of("worker_failed") if e["kind"] == "replica"]
+    assert [e["worker_id"] for e in released] == [mate], "the dead worker's replica-mate was not taken out"
+    heal = next(e for e in formed if e["kind"] == "heal")
+    survivors = [m["worker_id"] for m in before["members"] if m["worker_id"] not in (dead, mate)]
+    assert [m["worker_id"] for m in heal["members"]] == survivors, "the surviving replica did not heal in place"
+    assert heal["world_size"] == 2
+    regrown = [e for e in formed if e["generation"] > heal["generation"] and e["world_size"] == 4]
+    assert regrown and regrown[0]["kind"] == "grow", "no new replica joined"
+    assert [m["worker_id"] for m in regrown[0]["members"]][:2] == survivors, "the survivors did not keep ranks 0-1"
+    recovery = result.events_of("recovery")
+    assert recovery and not any(r["from_checkpoint"] for r in recovery), "the run restarted instead of healing"
+
+
+def test_a_stage_workers_death_takes_out_its_replica_the_other_heals_and_a_new_replica_joins(
+        local_ray, tmp_path, reference):
+    result = _fit(tmp_path, "kill", faults=[Fault(kind="kill", rank=3, step=5)])
+    _assert_replica_left_whole_and_came_back(result, dead_rank=3)
+    _assert_exactly_once(result.value["ledger"])
+    checkpoint = Checkpoint.from_path(result.checkpoint.path)
+    assert checkpoint.step == MAX_STEPS and checkpoint.parts == ["stage-0", "stage-1"]
+    assert _max_diff(checkpoint.model_state_dict(), reference) < 1e-9
+
+
+def test_slow_steps_heal_a_stage_worker_sigkilled_from_outside_inside_a_step(local_ray, tmp_path, reference):
+    killer = OutsideKiller("mid-step", str(tmp_path), "sigkill", SimpleNamespace(compute_s=SLOW_STEP_S), seed=3,
+                           victim=2, world_size=4, from_step=4)
+    killer.start()
+    result = _fit(tmp_path, "sigkill", compute_s=SLOW_STEP_S)
+    assert killer.done.wait(60) and killer.killed, "the outside kill never happened"
+    _assert_replica_left_whole_and_came_back(result, dead_rank=2)
+    _assert_exactly_once(result.value["ledger"])
+    assert _max_diff(Checkpoint.from_path(result.checkpoint.path).model_state_dict(), reference) < 1e-9
