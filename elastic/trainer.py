@@ -98,6 +98,8 @@ class ElasticTrainer:
         resume_from = self.resume_from
         if isinstance(resume_from, str):
             resume_from = Checkpoint.from_path(resume_from, self.run_config.storage_filesystem)
+        if resume_from is not None:
+            _check_resume_fits(resume_from, self.scaling_config)
         if not ray.is_initialized():
             ray.init(address=self.address)
         self._check_cluster_can_host_min_workers()
@@ -172,6 +174,16 @@ def _check_faults_fire(faults: list[Fault], strategy: Strategy) -> None:
         raise ElasticError(f"faults {inside} act inside DDP's gradient all-reduce, which {replaced} does not run "
                            "(it syncs another way), so they would never fire; inject them at the step start "
                            "(drop where=allreduce; a hang has no other point)")
+
+
+def _check_resume_fits(checkpoint: Checkpoint, scaling: ScalingConfig) -> None:
+    """A pipelined run's checkpoint holds one part per stage: it resumes at any number of
+    replicas, but only with the number of stages that wrote it."""
+    written = len(checkpoint.parts) or 1
+    if written != scaling.pipeline_stages:
+        raise ElasticError(f"resume_from={checkpoint.path} was written by a run of pipeline_stages={written} and this "
+                           f"run has pipeline_stages={scaling.pipeline_stages}: each stage resumes from its own part, so "
+                           f"resume with ScalingConfig(pipeline_stages={written}) (any number of replicas)")
 
 
 def _check_travels(value: Any, where: str, fix: str, round_trip: bool = False) -> None:

@@ -12,7 +12,9 @@ import ray
 from ray.cluster_utils import Cluster
 
 from elastic import DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
-from workloads import GLOBAL_BATCH, STEPS_PER_EPOCH, regression_loop
+from elastic.events import read_events
+from elastic.storage import RunStorage
+from workloads import GLOBAL_BATCH, NUM_SAMPLES, STEPS_PER_EPOCH, pipeline_loop, regression_loop
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster]
 
@@ -81,6 +83,55 @@ def test_training_continues_on_the_rest_when_a_node_with_half_the_workers_is_rem
     assert all(r["steps_lost"] <= 1 for r in result.events_of("recovery"))
     dead = {e["worker_id"] for e in result.events_of("worker_failed")}
     assert dead == {m["worker_id"] for m in full["members"] if m["node"] == node_b.node_id}
+
+def test_a_replica_is_one_placement_group_on_one_node_and_a_node_loss_takes_out_only_the_replica_on_it(
+    cluster, tmp_path
+):
+    cluster, _ = cluster
+    steps = 8 * STEPS_PER_EPOCH
+    gate = tmp_path / "gate"
+    trainer = ElasticTrainer(
+        pipeline_loop,
+        # Held at step 40 until the lost replica's replacement started on the new node.
+        train_loop_config={"max_steps": steps, "compute_s": 0.02, "gate": (40, str(gate))},
+        scaling_config=ScalingConfig(pipeline_stages=2, min_replicas=1, max_replicas=2),
+        run_config=RunConfig(name="replica-node-loss", storage_path=str(tmp_path)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=steps),
+        show_progress=False,
+    )
+    outcome = {}
+    fit = threading.Thread(target=lambda: outcome.update(result=trainer.fit()))
+    fit.start()
+
+    _wait_for("replica-node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 4 and s["step"] >= 10,
+              "2 replicas ran")
+    groups = [g for g in ray.util.placement_group_table().values() if g["name"].startswith("elastic-replica-node-loss-")]
+    assert len(groups) == 2 and all(len(set(g["bundles_to_node_id"].values())) == 1 for g in groups), groups
+    events = read_events(RunStorage(str(tmp_path), "replica-node-loss"))
+    node_of_replica = {}
+    for started in (e for e in events if e["type"] == "worker_started"):
+        node_of_replica.setdefault(started["replica"], set()).add(started["node"])
+    assert all(len(nodes) == 1 for nodes in node_of_replica.values()), "a replica's workers span nodes"
+    lost_node = next(iter(node_of_replica[1]))
+    cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == lost_node))
+    _wait_for("replica-node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 2, "the other replica healed")
+    cluster.add_node(num_cpus=2)
+    while len([e for e in read_events(RunStorage(str(tmp_path), "replica-node-loss"))
+               if e["type"] == "worker_started"]) < 6:
+        time.sleep(POLL_S)
+    gate.touch()
+    fit.join()
+
+    result = outcome["result"]
+    assert result.step == steps
+    formed = result.events_of("generation_formed")
+    healed = next(e for e in formed if e["kind"] == "heal")
+    assert [m["worker_id"] for m in healed["members"]] == [0, 1], "replica 0 did not heal in place alone"
+    assert {e["worker_id"] for e in result.events_of("worker_failed")} == {2, 3}, "more than the lost replica died"
+    assert formed[-1]["world_size"] == 4 and [m["worker_id"] for m in formed[-1]["members"]] == [0, 1, 4, 5]
+    ledger = result.value["ledger"]
+    assert ledger.shape == (steps // STEPS_PER_EPOCH, NUM_SAMPLES) and bool((ledger == 1).all()), "not exactly once"
+
 
 def test_a_node_loss_fault_takes_down_the_node_of_its_rank_and_the_rest_carry_on(cluster, tmp_path):
     # Runs after the test above: the cluster now has two 2-CPU worker nodes again.

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy
-from elastic.checkpoint import Checkpoint
+from elastic.checkpoint import Checkpoint, CheckpointError
+from elastic.errors import ElasticError
 from workloads import (GLOBAL_BATCH, STEPS_PER_EPOCH, OutsideKiller, fit_held, pipeline_loop, plain_reference,
                        workers_started)
 
@@ -29,21 +30,25 @@ def reference():
     return plain_reference(MAX_STEPS)
 
 
-def _fit(tmp_path, name, faults=(), compute_s=0.0, schedule="1f1b", resume_from=None, max_replicas=2):
-    """The run, held at step 12 until a new replica's workers started, so that the replica the
-    death took out comes back before the end."""
+def _fit(tmp_path, name, faults=(), compute_s=0.0, resume_from=None, max_replicas=2, stop_at=MAX_STEPS):
+    """The run. With a fault, it is held at step 12 until a new replica's workers started, so that
+    the replica the death took out comes back before the end."""
+    config = {"max_steps": MAX_STEPS, "compute_s": compute_s}  # the ledger's epochs: those of MAX_STEPS
+    regrow = max_replicas == 2 and stop_at == MAX_STEPS
+    if regrow:
+        config["gate"] = (12, str(tmp_path / f"gate-{name}"))
     trainer = ElasticTrainer(
         pipeline_loop,
-        train_loop_config={"max_steps": MAX_STEPS, "compute_s": compute_s, "gate": (12, str(tmp_path / "gate"))},
+        train_loop_config=config,
         scaling_config=ScalingConfig(pipeline_stages=2, min_replicas=1, max_replicas=max_replicas),
         run_config=RunConfig(name=name, storage_path=str(tmp_path), checkpoint_config=CheckpointConfig(every_steps=8)),
-        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=MAX_STEPS),
-        strategy=Strategy(pipeline_schedule=schedule, pipeline_microbatches=4),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=stop_at),
+        strategy=Strategy(pipeline_schedule="1f1b", pipeline_microbatches=4),
         faults=list(faults),
         resume_from=resume_from,
         show_progress=False,
     )
-    return fit_held(trainer, workers_started(6))
+    return fit_held(trainer, workers_started(6)) if regrow else trainer.fit()
 
 
 def _assert_exactly_once(ledger):
@@ -92,3 +97,30 @@ def test_slow_steps_heal_a_stage_worker_sigkilled_from_outside_inside_a_step(loc
     _assert_replica_left_whole_and_came_back(result, dead_rank=2)
     _assert_exactly_once(result.value["ledger"])
     assert _max_diff(Checkpoint.from_path(result.checkpoint.path).model_state_dict(), reference) < 1e-9
+
+
+def test_a_checkpoint_of_two_replicas_resumes_at_one_and_ends_equal_to_the_plain_model(local_ray, tmp_path, reference):
+    first = _fit(tmp_path, "two", stop_at=8)
+    written = Checkpoint.from_path(first.checkpoint.path)
+    assert written.step == 8 and written.world_size == 4 and written.parts == ["stage-0", "stage-1"]
+    resumed = _fit(tmp_path, "one", resume_from=written.path, max_replicas=1)
+    assert {e["world_size"] for e in resumed.events_of("generation_formed")} == {2}
+    assert resumed.events_of("generation_formed")[0]["step"] == 8
+    assert _max_diff(Checkpoint.from_path(resumed.checkpoint.path).model_state_dict(), reference) < 1e-9
+
+
+def test_a_pipelined_checkpoint_is_refused_by_a_run_of_another_number_of_stages_before_any_worker_starts(
+        local_ray, tmp_path):
+    written = _fit(tmp_path, "two", stop_at=8).checkpoint
+    trainer = ElasticTrainer(
+        pipeline_loop, train_loop_config={"max_steps": MAX_STEPS},
+        scaling_config=ScalingConfig(num_workers=1),
+        run_config=RunConfig(name="plain", storage_path=str(tmp_path)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=MAX_STEPS),
+        resume_from=written.path, show_progress=False)
+    with pytest.raises(ElasticError, match=r"pipeline_stages=2 and this run has pipeline_stages=1.*"
+                                           r"ScalingConfig\(pipeline_stages=2\)"):
+        trainer.fit()
+    assert not (tmp_path / "plain" / "events.jsonl").exists(), "a worker started"
+    with pytest.raises(CheckpointError, match="has no part 'stage-2'.*parts \\['stage-0', 'stage-1'\\]"):
+        Checkpoint.from_path(written.path).load_state("stage-2")
