@@ -31,12 +31,14 @@ def reference():
 
 
 def _fit(tmp_path, name, faults=(), compute_s=0.0, resume_from=None, max_replicas=2, stop_at=MAX_STEPS):
-    """The run. With a fault, it is held at step 12 until a new replica's workers started, so that
-    the replica the death took out comes back before the end."""
+    """The run. With a fault, it is held at step 1 until both replicas' workers started (a slow
+    start may begin with one replica and grow), and at step 12 until a new replica's workers
+    started, so that the replica the death took out comes back before the end."""
     config = {"max_steps": MAX_STEPS, "compute_s": compute_s}  # the ledger's epochs: those of MAX_STEPS
     regrow = max_replicas == 2 and stop_at == MAX_STEPS
     if regrow:
-        config["gate"] = (12, str(tmp_path / f"gate-{name}"))
+        config["gate"] = (1, str(tmp_path / f"started-{name}"))
+        config["gates"] = [(12, str(tmp_path / f"regrown-{name}"))]
     trainer = ElasticTrainer(
         pipeline_loop,
         train_loop_config=config,
@@ -48,7 +50,7 @@ def _fit(tmp_path, name, faults=(), compute_s=0.0, resume_from=None, max_replica
         resume_from=resume_from,
         show_progress=False,
     )
-    return fit_held(trainer, workers_started(6)) if regrow else trainer.fit()
+    return fit_held(trainer, workers_started(4), workers_started(6)) if regrow else trainer.fit()
 
 
 def _assert_exactly_once(ledger):
@@ -80,7 +82,7 @@ def _assert_replica_left_whole_and_came_back(result, dead_rank):
 
 def test_a_stage_workers_death_takes_out_its_replica_the_other_heals_and_a_new_replica_joins(
         local_ray, tmp_path, reference):
-    result = _fit(tmp_path, "kill", faults=[Fault(kind="kill", rank=3, step=5)])
+    result = _fit(tmp_path, "kill", faults=[Fault(kind="kill", rank=3, step=8)])
     _assert_replica_left_whole_and_came_back(result, dead_rank=3)
     _assert_exactly_once(result.value["ledger"])
     checkpoint = Checkpoint.from_path(result.checkpoint.path)
@@ -90,7 +92,7 @@ def test_a_stage_workers_death_takes_out_its_replica_the_other_heals_and_a_new_r
 
 def test_slow_steps_heal_a_stage_worker_sigkilled_from_outside_inside_a_step(local_ray, tmp_path, reference):
     killer = OutsideKiller("mid-step", str(tmp_path), "sigkill", SimpleNamespace(compute_s=SLOW_STEP_S), seed=3,
-                           victim=2, world_size=4, from_step=4)
+                           victim=2, world_size=4, from_step=6)
     killer.start()
     result = _fit(tmp_path, "sigkill", compute_s=SLOW_STEP_S)
     assert killer.done.wait(60) and killer.killed, "the outside kill never happened"
@@ -99,10 +101,15 @@ def test_slow_steps_heal_a_stage_worker_sigkilled_from_outside_inside_a_step(loc
     assert _max_diff(Checkpoint.from_path(result.checkpoint.path).model_state_dict(), reference) < 1e-9
 
 
-def test_a_checkpoint_of_two_replicas_resumes_at_one_and_ends_equal_to_the_plain_model(local_ray, tmp_path, reference):
-    first = _fit(tmp_path, "two", stop_at=8)
-    written = Checkpoint.from_path(first.checkpoint.path)
-    assert written.step == 8 and written.world_size == 4 and written.parts == ["stage-0", "stage-1"]
+@pytest.fixture(scope="module")
+def written(local_ray, tmp_path_factory):
+    """The checkpoint a run of 2 replicas wrote at step 8."""
+    checkpoint = Checkpoint.from_path(_fit(tmp_path_factory.mktemp("two"), "two", stop_at=8).checkpoint.path)
+    assert checkpoint.step == 8 and checkpoint.world_size == 4 and checkpoint.parts == ["stage-0", "stage-1"]
+    return checkpoint
+
+
+def test_a_checkpoint_of_two_replicas_resumes_at_one_and_ends_equal_to_the_plain_model(tmp_path, written, reference):
     resumed = _fit(tmp_path, "one", resume_from=written.path, max_replicas=1)
     assert {e["world_size"] for e in resumed.events_of("generation_formed")} == {2}
     assert resumed.events_of("generation_formed")[0]["step"] == 8
@@ -110,8 +117,7 @@ def test_a_checkpoint_of_two_replicas_resumes_at_one_and_ends_equal_to_the_plain
 
 
 def test_a_pipelined_checkpoint_is_refused_by_a_run_of_another_number_of_stages_before_any_worker_starts(
-        local_ray, tmp_path):
-    written = _fit(tmp_path, "two", stop_at=8).checkpoint
+        tmp_path, written):
     trainer = ElasticTrainer(
         pipeline_loop, train_loop_config={"max_steps": MAX_STEPS},
         scaling_config=ScalingConfig(num_workers=1),
@@ -123,4 +129,4 @@ def test_a_pipelined_checkpoint_is_refused_by_a_run_of_another_number_of_stages_
         trainer.fit()
     assert not (tmp_path / "plain" / "events.jsonl").exists(), "a worker started"
     with pytest.raises(CheckpointError, match="has no part 'stage-2'.*parts \\['stage-0', 'stage-1'\\]"):
-        Checkpoint.from_path(written.path).load_state("stage-2")
+        written.load_state("stage-2")

@@ -294,23 +294,28 @@ def streaming_loop(config: dict) -> dict:
 
 
 def hold_at_gate(config: dict, step_index: int) -> None:
-    """Hold the train loop after step `config["gate"][0]` until the file `config["gate"][1]`
-    exists: `fit_held` opens it when the run reached the state a test waits for."""
-    gate_step, gate_file = config.get("gate", (-1, ""))
-    while step_index == gate_step and not os.path.exists(gate_file):
-        time.sleep(0.01)
+    """Hold the train loop after step `gate[0]` until the file `gate[1]` exists, for the gate
+    `config["gate"]` and each of `config["gates"]`: `fit_held` opens them when the run reached
+    the state a test waits for."""
+    for gate_step, gate_file in [*config.get("gates", ()), config.get("gate", (-1, ""))]:
+        while step_index == gate_step and not os.path.exists(gate_file):
+            time.sleep(0.01)
 
 
-def fit_held(trainer, until):
+def fit_held(trainer, until, *more):
     """`trainer.fit()` with its loop held at its gate (train_loop_config["gate"]) until
     `until(events)` holds, so a test waits for a state of the run (a worker started) instead
-    of racing it on a slow machine."""
-    gate_file = trainer.train_loop_config["gate"][1]
+    of racing it on a slow machine. With `more`, train_loop_config["gates"] lists further
+    gates, in order, and `more` the condition of each."""
+    config = trainer.train_loop_config
+    gates = [(gate[1], condition) for gate, condition in zip([config["gate"], *config.get("gates", ())],
+                                                                [until, *more], strict=True)]
     run = concurrent.futures.ThreadPoolExecutor(1).submit(trainer.fit)
     storage = RunStorage(trainer.run_config.storage_path, trainer.run_config.name, trainer.run_config.storage_filesystem)
-    while not run.done() and not until(read_events(storage)):
-        time.sleep(0.05)
-    open(gate_file, "w").close()
+    for gate_file, condition in gates:
+        while not run.done() and not condition(read_events(storage)):
+            time.sleep(0.05)
+        open(gate_file, "w").close()
     return run.result()
 
 
