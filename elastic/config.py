@@ -70,24 +70,25 @@ class ScalingConfig(_Frozen):
     @model_validator(mode="before")
     @classmethod
     def _in_replicas(cls, values: Any) -> Any:
-        if not isinstance(values, dict) or values.get("num_workers") is not None:
-            return values  # num_workers counts workers: the check after validation finds a partial replica
-        stages = values.get("pipeline_stages", 1)
-        counted = {}
+        """The run's size in replicas and in workers, from whichever was given."""
+        stages = values.get("pipeline_stages", 1) if isinstance(values, dict) else None
+        if not isinstance(stages, int):
+            return values  # a bad value the field validators report
+        filled = {}
         for bound in ("min", "max"):
-            replicas = values.get(f"{bound}_replicas")
-            if replicas is None and values.get(f"{bound}_workers") is None:
+            named = f"{bound}_workers" if values.get(f"{bound}_workers") is not None else "num_workers"
+            replicas, workers = values.get(f"{bound}_replicas"), values.get(named)
+            if replicas is None and workers is None:
                 replicas = 1  # one replica, as one worker is without pipeline stages
-            if not isinstance(replicas, int) or not isinstance(stages, int):
-                continue  # unset, or a bad value the field validators report
-            workers = replicas * stages
-            given = values.get(f"{bound}_workers")
-            if given is not None and given != workers:
-                raise ValueError(
-                    f"{bound}_replicas({replicas}) x pipeline_stages({stages}) is {workers} workers, but "
-                    f"{bound}_workers({given}) differs; give the run's size in replicas or in workers, not both")
-            counted[f"{bound}_workers"] = workers
-        return {**values, **counted}
+            if isinstance(replicas, int):
+                if workers is not None and workers != replicas * stages:
+                    raise ValueError(
+                        f"{bound}_replicas({replicas}) x pipeline_stages({stages}) is {replicas * stages} workers, "
+                        f"but {named}({workers}) differs; give the run's size in replicas or in workers, not both")
+                filled[f"{bound}_workers"], filled[f"{bound}_replicas"] = replicas * stages, replicas
+            elif isinstance(workers, int) and workers % stages == 0:
+                filled[f"{bound}_replicas"] = workers // stages
+        return {**values, **filled}
 
     @model_validator(mode="after")
     def _check(self) -> "ScalingConfig":

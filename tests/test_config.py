@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy, parse_fault
 from elastic.checkpoint import Checkpoint
-from elastic.config import check_fits, parse_sync
+from elastic.config import check_fits, check_pipeline_fits, parse_sync
 from elastic.errors import ElasticError
 from elastic.storage import RunStorage, StorageError
 
@@ -360,3 +360,40 @@ def test_zero_without_buddy_copies_needs_zero_and_a_checkpoint_schedule_to_resta
                        run_config=RunConfig(name="x", storage_path=str(tmp_path)),
                        data_config=DataConfig(global_batch_size=8, micro_batch_size=8, max_steps=24),
                        strategy=Strategy(zero=1, zero_replicas=0))
+
+
+def test_replicas_count_workers_in_whole_replicas_of_pipeline_stages():
+    config = ScalingConfig(pipeline_stages=2, min_replicas=1, max_replicas=3)
+    assert (config.min_workers, config.max_workers, config.replica_size) == (2, 6, 2)
+    assert ScalingConfig(pipeline_stages=2, max_replicas=2).min_workers == 2  # one replica at least, by default
+    assert ScalingConfig(pipeline_stages=2, min_workers=2, max_workers=4) == ScalingConfig(
+        pipeline_stages=2, min_replicas=1, max_replicas=2)
+
+
+@pytest.mark.parametrize("given, named", [
+    ({"min_workers": 3, "max_workers": 4}, r"min_workers\(3\) is not a whole number of replicas.*min_replicas"),
+    ({"num_workers": 3}, r"min_workers\(3\) is not a whole number of replicas"),
+    ({"min_replicas": 1, "min_workers": 4, "max_workers": 4}, r"min_replicas\(1\) x pipeline_stages\(2\) is 2 "
+                                                              r"workers, but min_workers\(4\) differs"),
+    ({"max_replicas": 2, "spare_workers": 1}, r"spare_workers\(1\) with pipeline_stages\(2\) is not built"),
+])
+def test_a_partial_replica_is_rejected_with_the_fix(given, named):
+    with pytest.raises(ValidationError, match=named):
+        ScalingConfig(pipeline_stages=2, **given)
+
+
+@pytest.mark.parametrize("strategy, global_batch, named", [
+    (Strategy(zero=1), 64, r"Strategy\(zero=1\) with pipeline_stages\(2\) is not built"),
+    (Strategy(precision="bf16"), 64, r"precision='bf16'"),
+    (Strategy(pipeline_microbatches=1), 64, r"'1f1b' needs a micro-batch per stage.*>= 2"),
+    (Strategy(pipeline_schedule="interleaved1f1b", pipeline_microbatches=3), 60,
+     r"must be a multiple of 2"),
+    (Strategy(pipeline_microbatches=4), 60, r"global_batch_size\(60\) does not split into 2 equal replica shares.*"
+                                            r"multiple of 24"),
+])
+def test_a_pipelined_run_that_cannot_split_its_batch_or_uses_an_unbuilt_technique_is_rejected(
+        strategy, global_batch, named):
+    scaling = ScalingConfig(pipeline_stages=2, min_replicas=1, max_replicas=3)
+    with pytest.raises(ValueError, match=named):
+        check_pipeline_fits(scaling, DataConfig(global_batch_size=global_batch, micro_batch_size=4, max_steps=4),
+                            strategy)

@@ -22,9 +22,11 @@ MAX_STEPS = 1000
 class FakeWorkerGroup:
     """The workers' side of the protocol, in memory."""
 
-    def __init__(self, min_workers=2, max_workers=3, spare_workers=0, max_steps=MAX_STEPS, **failure):
+    def __init__(self, min_workers=2, max_workers=3, spare_workers=0, max_steps=MAX_STEPS, pipeline_stages=1,
+                 **failure):
         self.protocol = Protocol(
-            ScalingConfig(min_workers=min_workers, max_workers=max_workers, spare_workers=spare_workers),
+            ScalingConfig(min_workers=min_workers, max_workers=max_workers, spare_workers=spare_workers,
+                          pipeline_stages=pipeline_stages),
             FailureConfig(**failure), max_steps,
         )
         self.now = 100.0
@@ -512,3 +514,60 @@ def test_a_shard_upload_finishing_counts_as_progress_for_the_hang_check():
     group.send(ShardWritten(0, step=16), after_s=9.0)
     assert group.send(Tick(deadline_s=5.0), after_s=1.0) == []
     assert group.send(Tick(deadline_s=5.0), after_s=5.0) != [], "the stall clock never started again"
+
+
+# --- replicas of pipeline stages: the elastic unit -------------------------------------------
+def replicas(**kwargs):
+    """Two replicas of 2 stages at most, one at least: workers 0-1 are replica 0, 2-3 replica 1."""
+    return FakeWorkerGroup(min_workers=2, max_workers=4, pipeline_stages=2, **kwargs)
+
+
+def test_workers_are_started_in_whole_replicas():
+    group = replicas()
+    assert group.started == [0, 1, 2, 3]
+
+
+def test_a_replica_joins_only_when_all_of_its_workers_are_ready():
+    group = replicas()
+    group.ready(0, 1, 3)
+    group.send(Tick(), after_s=START_GRACE_S + 0.1)
+    assert group.latest_offer.formation.members == (0, 1), "a replica missing a worker formed"
+    group.form()
+    group.ready(2)
+    assert group.prepares, "the replica whose workers are all ready did not join"
+    group.answer_prepare({0: 5, 1: 5})
+    assert group.latest_offer.formation.members == (0, 1, 2, 3)
+
+
+def test_a_death_takes_out_its_replica_and_the_other_heals_in_place():
+    group = replicas()
+    group.start_run(0, 1, 2, 3)
+    group.die(3)
+    assert group.killed == [2], "the dead worker's replica-mate was not taken out"
+    assert [e["worker_id"] for e in group.events("worker_failed") if e["kind"] == "replica"] == [2]
+    offer = group.latest_offer
+    assert offer.formation.members == (0, 1) and offer.formation.reason == Reason.HEAL and not offer.restart
+    assert group.started == [0, 1, 2, 3, 4, 5], "no new replica was requested"
+    group.die(2)  # the killed mate's death arrives: nothing more happens
+    assert group.killed == [2] and group.latest_offer is offer
+
+
+def test_a_new_replica_grows_the_healed_run_back():
+    group = replicas()
+    group.start_run(0, 1, 2, 3)
+    group.die(1)
+    group.form(step=9)
+    group.ready(4, 5)
+    group.answer_prepare({2: 10, 3: 10})
+    assert group.latest_offer.formation.members == (2, 3, 4, 5)
+    assert group.latest_offer.formation.reason == Reason.GROW
+
+
+def test_losing_every_replica_restarts_from_the_checkpoint_with_new_ones():
+    group = replicas(max_failures=1)
+    group.start_run(0, 1, 2, 3)
+    group.die(0)
+    group.die(2)
+    assert sorted(group.killed) == [1, 3]
+    group.ready(4, 5)
+    assert group.latest_offer.formation.members == (4, 5) and group.latest_offer.restart
