@@ -1,0 +1,49 @@
+"""The pipelined run's refusals in the train loop's own calls, on a real TrainContext (no Ray, no group)."""
+
+import pytest
+import torch
+from torch import nn
+
+from elastic.config import DataConfig, Strategy
+from elastic.context import TrainContext
+from elastic.errors import ElasticError
+from elastic.mailbox import GenerationMailbox
+from elastic.pipelined_replica import concatenated
+from elastic.replicas import ReplicaShape
+
+
+def _context(stages):
+    mailbox = GenerationMailbox(on_waiting=lambda: None, on_broken=lambda g: None, on_formed=lambda g, o: None)
+    return TrainContext(DataConfig(global_batch_size=8, micro_batch_size=4, max_steps=1), mailbox, [], lambda r: None,
+                        False, strategy=Strategy(), shape=ReplicaShape(stages), slot=1)
+
+
+def _layers():
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def test_a_pipelined_run_needs_the_loss_function_its_last_stage_computes():
+    with pytest.raises(ElasticError, match=r"pipeline_stages\(2\) the last stage computes the loss: call "
+                                           r"ctx.prepare_model\(model, loss_fn=...\)"):
+        _context(2).prepare_model(_layers())
+
+
+def test_a_run_without_pipeline_stages_refuses_a_loss_function():
+    with pytest.raises(ElasticError, match=r"takes a loss_fn only in a pipelined run"):
+        _context(1).prepare_model(_layers(), loss_fn=nn.functional.mse_loss)
+
+
+def test_a_worker_keeps_only_the_layers_of_its_stage_under_the_whole_models_names():
+    ctx = _context(2)
+    model = ctx.prepare_model(_layers(), loss_fn=nn.functional.mse_loss)
+    assert list(model.state_dict()) == ["2.weight", "2.bias"]  # stage 1 of (Linear, Tanh) + (Linear)
+    with pytest.raises(ElasticError, match=r"prepare_model\(\) was called twice"):
+        ctx.prepare_model(_layers(), loss_fn=nn.functional.mse_loss)
+
+
+def test_a_replicas_share_is_joined_from_its_micro_batches_whatever_they_collate_to():
+    parts = [(torch.zeros(2, 3), {"y": torch.ones(2)}), (torch.ones(1, 3), {"y": torch.zeros(1)})]
+    x, y = concatenated(parts)
+    assert x.shape == (3, 3) and torch.equal(y["y"], torch.tensor([1.0, 1.0, 0.0]))
+    with pytest.raises(ElasticError, match="cannot join str"):
+        concatenated(["a", "b"])
