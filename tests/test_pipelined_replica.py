@@ -47,3 +47,13 @@ def test_a_replicas_share_is_joined_from_its_micro_batches_whatever_they_collate
     assert x.shape == (3, 3) and torch.equal(y["y"], torch.tensor([1.0, 1.0, 0.0]))
     with pytest.raises(ElasticError, match="cannot join str"):
         concatenated(["a", "b"])
+
+
+def test_a_pipelined_step_is_one_batch_and_a_plain_steps_are_micro_batches():
+    from elastic.data import DataCursor
+    from elastic.step import Step
+
+    with pytest.raises(ElasticError, match=r"use `batch = step.batch\(\)` and `model.step\(batch\)`"):
+        next(Step(_context(2), 0, DataCursor(), 8).micro_batches())
+    with pytest.raises(ElasticError, match=r"iterate step.micro_batches\(\) and call mb.backward\(loss\) instead"):
+        Step(_context(1), 0, DataCursor(), 8).batch()
