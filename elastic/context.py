@@ -455,6 +455,10 @@ class TrainContext:
         self._launched += 1
         future.wait()
 
+    def _all_averaged(self) -> None:
+        """Return once every rank of the generation averaged its stage's gradients."""
+        self._gradient_all_reduce.all_reduce(torch.ones(1, device=self.device)).wait()
+
     def _commit(self) -> None:
         step = self._current_step
         if step is None or step.committed:
@@ -639,6 +643,8 @@ class TrainContext:
         self._rolled_back = held.rolled_back
         # A pipelined replica's stage syncs with the same stage of the other replicas only.
         self._last_sync, progress = sync_state(self._objects, held.progress, self.device, holds_state, data_group)
+        if self.pipelined:
+            _check_stages_agree(progress["step"], self.device)
         self._holds_state = True
         self._step_index = progress["step"]
         self._cursor = data_math.DataCursor(**progress["cursor"])
@@ -647,7 +653,7 @@ class TrainContext:
         if self._model is not None:
             self._model.ddp = self._wrap(self._model.module)
         if self._pipeline is not None:
-            self._pipeline.bind(pipeline_group, self._average_over_replicas)
+            self._pipeline.bind(pipeline_group, self._average_over_replicas, self._all_averaged)
         # The hang check compares these across the members of one generation: count afresh.
         self._entered_sync = self._launched = 0
         done = time.perf_counter()
@@ -758,6 +764,19 @@ class TrainContext:
         self._leave()
         if self._loader is not None:
             self._loader.close()
+
+
+def _check_stages_agree(step: int, device: torch.device) -> None:
+    """Every stage of a pipelined run must resume at the same step: each synced with its own
+    data-parallel group, and a death during the agreement that ends a step (see
+    `PipelinedReplica.step`) can leave one stage a step ahead of another, which no live process
+    can undo. The run then restarts from its latest checkpoint."""
+    steps = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(steps, torch.tensor([step], dtype=torch.int64, device=device))
+    found = sorted({int(s.item()) for s in steps})
+    if len(found) > 1:
+        raise StateLostError(f"the pipeline stages hold the state of different steps ({found}): a death ended a step "
+                             "on some stages and not on others")
 
 
 def _allreduce_hook(ctx, bucket):

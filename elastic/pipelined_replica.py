@@ -59,6 +59,7 @@ class PipelinedReplica:
         self.pipe.hold(stage)
         self.stage = stage
         self._average: Callable[[torch.Tensor], None] | None = None
+        self._agree: Callable[[], None] | None = None
 
     @property
     def module(self) -> nn.Module:
@@ -77,17 +78,19 @@ class PipelinedReplica:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state)
 
-    def bind(self, pipeline_group: dist.ProcessGroup, average: Callable[[torch.Tensor], None]) -> None:
-        """Join this generation: the replica's stages over `pipeline_group`, and `average`, which sums
+    def bind(self, pipeline_group: dist.ProcessGroup, average: Callable[[torch.Tensor], None],
+             agree: Callable[[], None]) -> None:
+        """Join this generation: the replica's stages over `pipeline_group`; `average`, which sums
         a flat buffer of gradients across the replicas in place (a collective of the stage's
-        data-parallel group)."""
+        data-parallel group); and `agree`, a collective of every rank that returns once every
+        stage of every replica holds its averaged gradients (see `step`)."""
         self.pipe.bind(pipeline_group)
-        self._average = average
+        self._average, self._agree = average, agree
 
     def unbind(self) -> list[Any]:
         """Leave the generation: what held its process groups, for the caller to let go of."""
         held = self.pipe.unbind()
-        self._average = None
+        self._average = self._agree = None
         return held
 
     def step(self, batch: ReplicaBatch) -> torch.Tensor | None:
@@ -107,6 +110,11 @@ class PipelinedReplica:
             for grad in same:
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
+        # The stages average over different groups, so a death can fail one stage's average while
+        # another's completes; a stage that then stepped would be a step ahead of its replica,
+        # which no sync can undo. Stepping only once every rank averaged leaves that only to a
+        # death inside this one small collective, which the next formation detects.
+        self._agree()
         return loss
 
 
