@@ -93,8 +93,9 @@ def test_two_stages_train_the_lm_from_token_ids_as_one_process_would():
 
 
 def test_the_pipelined_demo_trains_two_replicas_of_two_stages_on_ray(local_ray, tmp_path):
-    config = DemoConfig(pipeline_stages=2, min_workers=4, max_workers=4, steps=4, seq_len=TINY["seq_len"], max_bytes=20_000,
-                        data_dir=str(tmp_path / "corpus"), storage_path=str(tmp_path), checkpoint_every=4)
+    config = DemoConfig(pipeline_stages=2, min_workers=4, max_workers=4, steps=4, seq_len=TINY["seq_len"],
+                        max_bytes=20_000, data_dir=str(tmp_path / "corpus"), storage_path=str(tmp_path),
+                        checkpoint_every=4)
 
     summary = run_demo(config, show_progress=False)
 

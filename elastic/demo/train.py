@@ -106,8 +106,8 @@ class DemoConfig(BaseModel):
         parts = stages * VIRTUAL_STAGES[schedule]
         if parts > layers:
             raise ValueError(f"pipeline_stages({stages}) under pipeline_schedule={schedule!r} would cut the LM into "
-                             f"{parts} parts, but it has {layers} layers (the embedding, {layers - 2} blocks, the head): use "
-                             f"at most {layers // VIRTUAL_STAGES[schedule]} pipeline stages")
+                             f"{parts} parts, but it has {layers} layers (the embedding, {layers - 2} blocks, the "
+                             f"head): use at most {layers // VIRTUAL_STAGES[schedule]} pipeline stages")
 
     @property
     def can_heal(self) -> bool:
