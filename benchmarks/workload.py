@@ -88,11 +88,12 @@ def train_steps(
         after_step(step, loss)
 
 
-def steady_gaps(stamps: Sequence[dict[str, Any]], warmup: int = WARMUP_STEPS) -> list[float]:
+def steady_gaps(stamps: Sequence[dict[str, Any]], warmup: int = WARMUP_STEPS,
+                world_size: int = WORLD_SIZE) -> list[float]:
     """Gaps between consecutive step completions at full world size, past each warm-up.
 
     `stamps` are one rank's `{"step", "time", "generation", "world_size"}` records in order.
-    A gap counts only when both steps ran in the same generation of WORLD_SIZE ranks and the
+    A gap counts only when both steps ran in the same generation of `world_size` ranks and the
     later one is at least `warmup` steps into that generation, so a slow start or a rescale
     never leaks into the steady figure.
     """
@@ -101,7 +102,7 @@ def steady_gaps(stamps: Sequence[dict[str, Any]], warmup: int = WARMUP_STEPS) ->
     for before, after in zip(stamps, stamps[1:]):
         same = before["generation"] == after["generation"] and after["step"] == before["step"] + 1
         since_start = since_start + 1 if same else 0
-        if same and after["world_size"] == WORLD_SIZE and since_start >= warmup:
+        if same and after["world_size"] == world_size and since_start >= warmup:
             gaps.append(after["time"] - before["time"])
     return gaps
 

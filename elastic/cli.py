@@ -3,6 +3,7 @@
     elastic demo                               # 3 workers on a local Ray; rank 1 dies and the run heals
     elastic demo --inject none --steps 100     # no fault
     elastic demo --inject kill:rank=0,step=50 --summary-json /tmp/demo.json
+    elastic demo --pipeline-stages 2           # 1-2 replicas of 2 stages; a stage's death takes out its replica
 
     elastic status demo                        # state, world size, step, goodput, recent events
     elastic events demo --type worker_failed --type generation_formed [--json]
@@ -28,7 +29,7 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
-from elastic.demo.train import DemoConfig, default_fault, run_demo
+from elastic.demo.train import DEFAULT_REPLICAS, DemoConfig, default_fault, run_demo
 from elastic.errors import ElasticError
 from elastic.events import EVENT_TYPES
 from elastic.faults import Fault, parse_fault
@@ -71,11 +72,20 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
         "demo",
         help="train a small LM on Python's stdlib source with elastic workers, injecting a fault",
         description="Train a byte-level transformer on Python's standard-library source (no download) "
-        f"with {defaults.min_workers}-{defaults.max_workers} workers. Unless --inject says otherwise, rank 1 "
-        "is killed a quarter into the run so you can watch the run heal and grow back.",
+        f"with {defaults.min_workers}-{defaults.max_workers} workers, or with --pipeline-stages S "
+        f"{DEFAULT_REPLICAS[0]}-{DEFAULT_REPLICAS[1]} replicas of S workers, one per pipeline stage. Unless --inject "
+        "says otherwise, rank 1 is killed a quarter into the run so you can watch the run heal and grow back.",
     )
-    demo.add_argument("--min-workers", type=int, default=defaults.min_workers, help="fewest workers (default: %(default)s)")
-    demo.add_argument("--max-workers", type=int, default=defaults.max_workers, help="most workers (default: %(default)s)")
+    demo.add_argument("--min-workers", type=int,
+                      help=f"fewest workers (default: {defaults.min_workers}, or {DEFAULT_REPLICAS[0]} replica of "
+                      "--pipeline-stages workers)")
+    demo.add_argument("--max-workers", type=int,
+                      help=f"most workers (default: {defaults.max_workers}, or {DEFAULT_REPLICAS[1]} replicas of "
+                      "--pipeline-stages workers)")
+    demo.add_argument("--pipeline-stages", type=int, default=defaults.pipeline_stages, metavar="S",
+                      help="workers per replica, each holding one pipeline stage of the LM; above 1 a replica is "
+                      "the unit that heals and grows: a stage worker's death takes out its replica, the others "
+                      "go on, and a new replica joins (default: %(default)s)")
     demo.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps (default: %(default)s)")
     demo.add_argument(
         "--inject", action="append", type=_fault_or_none, metavar="SPEC",
@@ -118,25 +128,31 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     injected = args.inject or []
     if None in injected and len(injected) > 1:
         parser.error(f"--inject {NO_FAULTS} cannot be combined with other --inject faults")
-    if not injected:
-        faults = [default_fault(args.steps)] if args.max_workers > 1 else []
-    else:
-        faults = [f for f in injected if f is not None]
+    fields = dict(
+        name=args.name, storage_path=args.storage_path, address=args.address, data_dir=args.data_dir,
+        pipeline_stages=args.pipeline_stages, min_workers=args.min_workers, max_workers=args.max_workers,
+        steps=args.steps, faults=[f for f in injected if f is not None],
+        strategy={"precision": args.precision, "compression": args.compression, "sync": args.sync, "zero": args.zero},
+    )
     try:
-        config = DemoConfig(
-            name=args.name, storage_path=args.storage_path, address=args.address, data_dir=args.data_dir,
-            min_workers=args.min_workers, max_workers=args.max_workers, steps=args.steps, faults=faults,
-            strategy={"precision": args.precision, "compression": args.compression, "sync": args.sync,
-                      "zero": args.zero},
-        )
+        config = DemoConfig(**fields)
+        # The default fault only where the run survives it: with a second worker (replica) to heal with.
+        if not injected and config.can_heal:
+            config = DemoConfig(**{**fields, "faults": [default_fault(config.steps)]})
     except ValidationError as exc:
         parser.error("; ".join(_validation_message(e) for e in exc.errors()))
-    if not injected and faults:
-        fault = faults[0]
-        print(f"elastic demo: no --inject given, so rank {fault.rank} will be killed at step {fault.step} of "
-              f"{config.steps}; watch the run heal with the survivors and grow back to {config.max_workers} workers "
-              f"when Ray has started a replacement (Ray then logs that a worker died unexpectedly: that is this "
-              f"fault). Pass --inject {NO_FAULTS} to run without faults.", flush=True)
+    if not injected and config.faults:
+        fault = config.faults[0]
+        stages, where = config.pipeline_stages, ""
+        then = (f"watch the run heal with the survivors and grow back to {config.max_workers} workers when Ray has "
+                "started a replacement")
+        if stages > 1:
+            where = f" (stage {fault.rank % stages} of replica {fault.rank // stages})"
+            then = (f"watch its replica leave whole, the other heal in place, and a new replica join, back to "
+                    f"{config.max_workers} workers, when Ray has started it")
+        print(f"elastic demo: no --inject given, so rank {fault.rank}{where} will be killed at step {fault.step} of "
+              f"{config.steps}; {then} (Ray then logs that a worker died unexpectedly: that is this fault). Pass "
+              f"--inject {NO_FAULTS} to run without faults.", flush=True)
     try:
         summary = run_demo(config)
     except ElasticError as exc:

@@ -101,3 +101,29 @@ def test_summary_json_is_written_and_summarized(runs, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "3 (start at 0s) -> 2 (heal at 18s)" in out
     assert str(path) in out
+
+
+def test_pipeline_stages_make_one_to_two_replicas_and_the_default_fault_kills_a_stage_worker(runs, capsys):
+    assert cli.main(["demo", "--pipeline-stages", "2", "--steps", "60"]) == 0
+
+    config = runs[0]
+    assert (config.pipeline_stages, config.min_workers, config.max_workers) == (2, 2, 4)
+    assert config.faults == [Fault(kind="kill", rank=1, step=15)]
+    assert "rank 1 (stage 1 of replica 0) will be killed at step 15" in capsys.readouterr().out
+
+
+def test_pipeline_stages_with_a_partial_replica_are_rejected_naming_the_multiple(runs, capsys):
+    err = usage_error(["demo", "--pipeline-stages", "2", "--max-workers", "3"], capsys)
+
+    assert "max_workers(3) is not a whole number of replicas of pipeline_stages(2) workers: give a multiple of 2" in err
+    assert runs == []
+
+
+def test_more_pipeline_stages_than_the_lm_has_layers_are_rejected(runs, capsys):
+    err = usage_error(["demo", "--pipeline-stages", "5"], capsys)
+
+    assert "would cut the LM into 5 parts, but it has 4 layers" in err and "use at most 4 pipeline stages" in err
+
+
+def test_a_technique_pipelined_replicas_do_not_run_is_rejected(runs, capsys):
+    assert "is not built" in usage_error(["demo", "--pipeline-stages", "2", "--precision", "bf16"], capsys)

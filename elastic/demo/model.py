@@ -12,13 +12,24 @@ one fused `in_proj_weight` and reads its weights directly in its forward (see
 `elastic.tensor_parallel`). `ModelConfig(attention="split")` builds the same blocks with
 `elastic.tensor_parallel.SelfAttention` instead (separate q, k, v projections), which
 `model.tensor_parallel_plan()` cuts by heads; the default model stays as it was.
+
+Pipeline parallelism needs the model as an nn.Sequential with one tensor between layers:
+`model.pipeline_layers()` gives the same layers in that form (embedding with positions, each block
+with its causal mask, then norm and output layer), with the output layer untied from the embedding
+(see its docstring), and `next_byte_loss` is the loss the last stage computes:
+
+    layers = TinyLM(ModelConfig(), seed=0).pipeline_layers()
+    inputs, targets = next_byte_pairs(windows)   # windows: (batch, seq + 1) bytes
+    loss = next_byte_loss(layers(inputs), targets)
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Literal
 
 import torch
+import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
@@ -79,11 +90,8 @@ class TinyLM(nn.Module):
                     param.zero_()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = _embedded(tokens, self.embed, self.position)
         length = tokens.shape[1]
-        if length > self.config.seq_len:
-            raise ValueError(f"input of {length} tokens is longer than ModelConfig(seq_len={self.config.seq_len})")
-        positions = torch.arange(length, device=tokens.device)
-        x = self.embed(tokens) + self.position(positions)
         if self.config.attention == "split":
             x = self.blocks(x)  # each SelfAttention is causal
         else:
@@ -99,6 +107,89 @@ class TinyLM(nn.Module):
             raise ElasticError("TinyLM's default blocks use nn.MultiheadAttention, whose fused in_proj_weight tensor "
                                "parallelism cannot cut by heads: build it with ModelConfig(attention='split')")
         return {**attention_plan("blocks.*.self_attn"), **mlp_plan("blocks.*.linear1", "blocks.*.linear2")}
+
+    def pipeline_layers(self) -> nn.Sequential:
+        """This model as pipeline layers, for `ctx.prepare_model(layers, loss_fn=next_byte_loss)` with
+        ScalingConfig(pipeline_stages > 1): `embed` (tokens to vectors, positions added), `block0` ...
+        `block{n_layers - 1}` (each applying the causal mask itself), and `head` (the final norm, then the
+        output layer), one tensor flowing between them. They compute what `forward` computes.
+
+        The output layer is untied: its weight starts as a copy of the token embedding's and trains on
+        its own from there. Tied, it is one parameter used by the first layer and the last, which a
+        pipeline places on different stages, in different processes: each would hold its own copy and
+        nothing would add the head's gradient to the embedding's. So the pipelined LM has VOCAB_SIZE x
+        d_model parameters more, and its loss departs from the tied model's after the first step.
+
+        The layers are this model's own modules, not copies (the head's output layer excepted): train
+        one or the other, not both.
+        """
+        if self.config.attention == "split":
+            blocks = list(self.blocks)  # each SelfAttention is causal
+        else:
+            blocks = [CausalBlock(layer, self.causal_mask) for layer in self.blocks.layers]
+        tied = self.embed.weight
+        output = nn.Linear(self.config.d_model, VOCAB_SIZE, bias=False, device=tied.device, dtype=tied.dtype)
+        with torch.no_grad():
+            output.weight.copy_(tied)
+        return nn.Sequential(OrderedDict([
+            ("embed", PipelineEmbedding(self.embed, self.position)),
+            *((f"block{i}", block) for i, block in enumerate(blocks)),
+            ("head", PipelineHead(self.norm, output)),
+        ]))
+
+
+def next_byte_pairs(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of seq_len + 1 bytes as (inputs, targets): each position's target is the next byte."""
+    tokens = windows.long()
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of every position's next-byte prediction."""
+    return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
+
+
+def _embedded(tokens: torch.Tensor, embed: nn.Embedding, position: nn.Embedding) -> torch.Tensor:
+    length = tokens.shape[1]
+    if length > position.num_embeddings:
+        raise ValueError(f"input of {length} tokens is longer than ModelConfig(seq_len={position.num_embeddings})")
+    return embed(tokens) + position(torch.arange(length, device=tokens.device))
+
+
+class PipelineEmbedding(nn.Module):
+    """TinyLM's first layer in a pipeline: token ids to token plus position embeddings."""
+
+    def __init__(self, embed: nn.Embedding, position: nn.Embedding) -> None:
+        super().__init__()
+        self.embed, self.position = embed, position
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return _embedded(tokens, self.embed, self.position)
+
+
+class CausalBlock(nn.Module):
+    """One nn.TransformerEncoderLayer with TinyLM's causal mask: nn.TransformerEncoder passes the mask
+    to its layers, and a pipeline runs the layers without it."""
+
+    def __init__(self, layer: nn.TransformerEncoderLayer, causal_mask: torch.Tensor) -> None:
+        super().__init__()
+        self.layer = layer
+        self.register_buffer("causal_mask", causal_mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        return self.layer(x, src_mask=self.causal_mask[:length, :length], is_causal=True)
+
+
+class PipelineHead(nn.Module):
+    """TinyLM's last layer in a pipeline: the final norm, then the output layer to the vocabulary's logits."""
+
+    def __init__(self, norm: nn.LayerNorm, output: nn.Linear) -> None:
+        super().__init__()
+        self.norm, self.output = norm, output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(x))
 
 
 class SplitAttentionLayer(nn.Module):

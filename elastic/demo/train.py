@@ -1,36 +1,44 @@
 """The demo run: a byte-level transformer LM trained on the stdlib corpus by 2-3 elastic workers.
 
     elastic demo                                  # the CLI front end, see elastic/cli.py
+    elastic demo --pipeline-stages 2              # 1-2 replicas of 2 pipeline stages
     python -c "from elastic.demo import DemoConfig, run_demo; run_demo(DemoConfig())"
 
 `train_loop` is an ordinary elastic train loop and reads top to bottom like the example in
-`elastic.context`. `run_demo` prepares the corpus, starts Ray when no cluster is given, runs
-`ElasticTrainer.fit()` and condenses the run's events into a summary dict.
+`elastic.context`; `pipelined_train_loop` is the same run with the LM cut into pipeline stages
+(DemoConfig(pipeline_stages > 1)). `run_demo` prepares the corpus, starts Ray when no cluster is
+given, runs `ElasticTrainer.fit()` and condenses the run's events into a summary dict.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
 
 import ray
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import elastic
 from elastic.config import (
-    CheckpointConfig, DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_strategy_fits,
+    CheckpointConfig, DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_pipeline_fits,
+    check_strategy_fits,
 )
-from elastic.demo.corpus import DEFAULT_MAX_BYTES, DEFAULT_SEQ_LEN, VOCAB_SIZE, prepare_corpus
-from elastic.demo.model import ModelConfig, TinyLM
+from elastic.demo.corpus import DEFAULT_MAX_BYTES, DEFAULT_SEQ_LEN, prepare_corpus
+from elastic.demo.model import ModelConfig, TinyLM, next_byte_loss, next_byte_pairs
 from elastic.events import events_of
 from elastic.faults import Fault, check_faults
+from elastic.pipeline import VIRTUAL_STAGES
 
 # The demo's kill fires a quarter into the run: late enough that training is visibly under
 # way, early enough that the replacement worker has time to start and the run grows back.
 DEFAULT_FAULT_FRACTION = 0.25
+# The demo's size: 2-3 workers; pipelined, 1-2 replicas, so that a death (which takes out its
+# whole replica) leaves one replica training and a new one can join.
+DEFAULT_WORKERS = (2, 3)
+DEFAULT_REPLICAS = (1, 2)
 
 
 class DemoConfig(BaseModel):
@@ -41,8 +49,13 @@ class DemoConfig(BaseModel):
     name: str = Field("demo", description="Run name; a second demo of the same name resumes from its checkpoint.")
     storage_path: str = Field("./runs", description="Local path or URI that holds the run folder.")
     address: str | None = Field(None, description="Ray address to connect to; None starts a local Ray.")
-    min_workers: int = Field(2, gt=0, description="Fewest workers training continues with.")
-    max_workers: int = Field(3, gt=0, description="Most workers the run grows to.")
+    pipeline_stages: int = Field(1, gt=0, description=(
+        "Workers per replica, each holding one pipeline stage of the LM (TinyLM.pipeline_layers()); above 1 a "
+        "death takes out its replica, and min_workers and max_workers default to 1-2 replicas."))
+    min_workers: int = Field(DEFAULT_WORKERS[0], gt=0, description=(
+        "Fewest workers training continues with (with pipeline_stages, a multiple of it)."))
+    max_workers: int = Field(DEFAULT_WORKERS[1], gt=0, description=(
+        "Most workers the run grows to (with pipeline_stages, a multiple of it)."))
     steps: int = Field(300, gt=0, description="Optimizer steps in the run.")
     global_batch_size: int = Field(32, gt=0, description="Windows per optimizer step, across all workers.")
     micro_batch_size: int = Field(8, gt=0, description="Most windows a worker puts through one forward pass.")
@@ -55,16 +68,55 @@ class DemoConfig(BaseModel):
     faults: list[Fault] = Field(default_factory=list, description="Faults to inject (see elastic.faults).")
     strategy: Strategy = Field(default_factory=Strategy, description="Precision, compression and sync (docs/techniques.md).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_sizes(cls, values: Any) -> Any:
+        """Sizes not given (or None) default to DEFAULT_WORKERS, or pipelined to DEFAULT_REPLICAS whole replicas."""
+        if not isinstance(values, dict):
+            return values
+        stages = values.get("pipeline_stages", 1)
+        pipelined = isinstance(stages, int) and stages > 1  # a bad value is the field validator's to report
+        defaults = [replicas * stages for replicas in DEFAULT_REPLICAS] if pipelined else DEFAULT_WORKERS
+        return {**values, **{name: default for name, default in zip(("min_workers", "max_workers"), defaults)
+                             if values.get(name) is None}}
+
     @model_validator(mode="after")
     def _check(self) -> "DemoConfig":
         # Surface every cross-field problem now, in the driver, before Ray starts anything.
-        check_fits(self.scaling_config(), self.data_config())
+        if self.pipeline_stages > 1:
+            self._check_pipeline()
+        scaling = self.scaling_config()
+        check_fits(scaling, self.data_config())
         check_strategy_fits(self.strategy, self.run_config().checkpoint_config)
+        check_pipeline_fits(scaling, self.data_config(), self.strategy)
         check_faults(self.faults, self.steps, self.max_workers)
         return self
 
+    def _check_pipeline(self) -> None:
+        """The demo's own checks of a pipelined run, named in its terms (worker counts, the LM's layers)."""
+        stages = self.pipeline_stages
+        for bound in ("min_workers", "max_workers"):
+            workers = getattr(self, bound)
+            if workers % stages:
+                raise ValueError(f"{bound}({workers}) is not a whole number of replicas of pipeline_stages({stages}) "
+                                 f"workers: give a multiple of {stages}, or leave it out for "
+                                 f"{DEFAULT_REPLICAS[0]}-{DEFAULT_REPLICAS[1]} replicas")
+        schedule = self.strategy.pipeline_schedule
+        layers = ModelConfig(seq_len=self.seq_len).n_layers + 2
+        parts = stages * VIRTUAL_STAGES[schedule]
+        if parts > layers:
+            raise ValueError(f"pipeline_stages({stages}) under pipeline_schedule={schedule!r} would cut the LM into "
+                             f"{parts} parts, but it has {layers} layers (the embedding, {layers - 2} blocks, the "
+                             f"head): use at most {layers // VIRTUAL_STAGES[schedule]} pipeline stages")
+
+    @property
+    def can_heal(self) -> bool:
+        """Whether a death leaves a replica training: more than one replica at most."""
+        return self.max_workers > self.pipeline_stages
+
     def scaling_config(self) -> ScalingConfig:
-        return ScalingConfig(min_workers=self.min_workers, max_workers=self.max_workers)
+        return ScalingConfig(min_workers=self.min_workers, max_workers=self.max_workers,
+                             pipeline_stages=self.pipeline_stages)
 
     def data_config(self) -> DataConfig:
         return DataConfig(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
@@ -78,7 +130,7 @@ class DemoConfig(BaseModel):
 
 
 def default_fault(steps: int) -> Fault:
-    """The demo's default failure: rank 1 dies a quarter into the run."""
+    """The demo's default failure: rank 1 dies a quarter into the run (pipelined: replica 0's stage 1)."""
     return Fault(kind="kill", rank=1, step=int(steps * DEFAULT_FAULT_FRACTION))
 
 
@@ -99,12 +151,11 @@ def train_loop(config: dict[str, Any]) -> None:
         with step:
             loss_sum, windows = 0.0, 0
             for mb in step.micro_batches():
-                tokens = mb.data["tokens"].long()
-                logits = model(tokens[:, :-1])
-                loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), tokens[:, 1:].reshape(-1))
+                inputs, targets = next_byte_pairs(mb.data["tokens"])
+                loss = next_byte_loss(model(inputs), targets)
                 mb.backward(loss)
-                loss_sum += loss.item() * len(tokens)
-                windows += len(tokens)
+                loss_sum += loss.item() * len(inputs)
+                windows += len(inputs)
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
@@ -113,12 +164,41 @@ def train_loop(config: dict[str, Any]) -> None:
             elastic.report({"loss": loss_sum / windows})
 
 
+def pipelined_train_loop(config: dict[str, Any]) -> None:
+    """`train_loop` with the LM cut into DemoConfig(pipeline_stages) stages: this worker holds stage
+    `ctx.pipeline_stage` of its replica, and the replica takes its share of each step as one batch,
+    which the schedule cuts into Strategy(pipeline_microbatches) micro-batches."""
+    demo = DemoConfig.model_validate(config)
+    ctx = elastic.get_context()
+    corpus = prepare_corpus(demo.data_dir, demo.seq_len, demo.max_bytes)
+    dataset = elastic.ParquetDataset(str(corpus))
+    # A pipeline runs an nn.Sequential, one tensor between its layers; its head is untied from the
+    # embedding, which sits on another stage (see TinyLM.pipeline_layers). No reference to the
+    # whole model is kept, so the other stages' layers are freed.
+    model = ctx.prepare_model(TinyLM(ModelConfig(seq_len=demo.seq_len), seed=demo.seed).pipeline_layers(),
+                              loss_fn=next_byte_loss)
+    optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=demo.lr))
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=demo.steps, eta_min=demo.lr / 10)
+    ctx.register_state("scheduler", scheduler)
+    for step in ctx.steps(dataset):
+        with step:
+            batch = step.batch()
+            # The pipeline takes (inputs, targets); the corpus gives windows of seq_len + 1 bytes.
+            loss = model.step(dataclasses.replace(batch, data=next_byte_pairs(batch.data["tokens"])))
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+        # Only the last stage computes the loss (its replica's share's mean); only committed steps report.
+        if step.committed and loss is not None:
+            elastic.report({"loss": loss.item()})
+
+
 def run_demo(config: DemoConfig, show_progress: bool = True) -> dict[str, Any]:
     """Run the demo to its end and return its summary; raises what `ElasticTrainer.fit()` raises."""
     # Building the corpus here fails fast on a bad data_dir and saves the workers the work.
     prepare_corpus(config.data_dir, config.seq_len, config.max_bytes)
     trainer = elastic.ElasticTrainer(
-        train_loop,
+        pipelined_train_loop if config.pipeline_stages > 1 else train_loop,
         train_loop_config=config.model_dump(),
         scaling_config=config.scaling_config(),
         run_config=config.run_config(),
