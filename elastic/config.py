@@ -67,42 +67,40 @@ class ScalingConfig(_Frozen):
             )
         return {**values, "min_workers": fixed, "max_workers": fixed}
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _in_replicas(cls, values: Any) -> Any:
-        """The run's size in replicas and in workers, from whichever was given."""
-        stages = values.get("pipeline_stages", 1) if isinstance(values, dict) else None
-        if not isinstance(stages, int):
-            return values  # a bad value the field validators report
-        filled = {}
+    def _in_replicas(cls, values: Any, handler: Any) -> "ScalingConfig":
+        """min_workers and max_workers from min_replicas and max_replicas, once every field is valid."""
+        config = handler(values)
+        stages = config.pipeline_stages
+        counted = {}
         for bound in ("min", "max"):
-            named = f"{bound}_workers" if values.get(f"{bound}_workers") is not None else "num_workers"
-            replicas, workers = values.get(f"{bound}_replicas"), values.get(named)
-            if replicas is None and workers is None:
-                replicas = 1  # one replica, as one worker is without pipeline stages
-            if isinstance(replicas, int):
-                if workers is not None and workers != replicas * stages:
-                    raise ValueError(
-                        f"{bound}_replicas({replicas}) x pipeline_stages({stages}) is {replicas * stages} workers, "
-                        f"but {named}({workers}) differs; give the run's size in replicas or in workers, not both")
-                filled[f"{bound}_workers"], filled[f"{bound}_replicas"] = replicas * stages, replicas
-            elif isinstance(workers, int) and workers % stages == 0:
-                filled[f"{bound}_replicas"] = workers // stages
-        return {**values, **filled}
+            replicas, field = getattr(config, f"{bound}_replicas"), f"{bound}_workers"
+            if replicas is None:
+                if stages > 1 and field not in config.model_fields_set:
+                    counted[field] = stages  # one replica, as one worker is without pipeline stages
+                continue
+            if field in config.model_fields_set and getattr(config, field) != replicas * stages:
+                named = "num_workers" if config.num_workers is not None else field
+                raise ValueError(
+                    f"{bound}_replicas({replicas}) x pipeline_stages({stages}) is {replicas * stages} workers, but "
+                    f"{named}({getattr(config, field)}) differs; give the run's size in replicas or in workers, not both")
+            counted[field] = replicas * stages
+        if counted and isinstance(values, dict):
+            config = handler({**values, **counted})
+        for bound in ("min", "max"):
+            workers = getattr(config, f"{bound}_workers")
+            if workers % stages:
+                raise ValueError(f"{bound}_workers({workers}) is not a whole number of replicas of pipeline_stages("
+                                 f"{stages}) workers; give min_replicas and max_replicas instead")
+        if stages > 1 and config.spare_workers:
+            raise ValueError(
+                f"spare_workers({config.spare_workers}) with pipeline_stages({stages}) is not built: a spare would have "
+                "to be a whole replica; leave spare_workers at 0, and a new replica forms when capacity for one is back")
+        return config
 
     @model_validator(mode="after")
     def _check(self) -> "ScalingConfig":
-        for bound in ("min", "max"):
-            workers = getattr(self, f"{bound}_workers")
-            if workers % self.pipeline_stages:
-                raise ValueError(
-                    f"{bound}_workers({workers}) is not a whole number of replicas of pipeline_stages("
-                    f"{self.pipeline_stages}) workers; give min_replicas and max_replicas instead")
-        if self.pipeline_stages > 1 and self.spare_workers:
-            raise ValueError(
-                f"spare_workers({self.spare_workers}) with pipeline_stages({self.pipeline_stages}) is not built: a spare "
-                "would have to be a whole replica; leave spare_workers at 0, and a new replica forms when capacity "
-                "for one is back")
         if self.min_workers > self.max_workers:
             raise ValueError(
                 f"min_workers({self.min_workers}) > max_workers({self.max_workers}); "
@@ -123,6 +121,11 @@ class ScalingConfig(_Frozen):
         resources = {"CPU": 1.0, **({"GPU": 1.0} if self.use_gpu else {})}
         resources.update(self.resources_per_worker)
         return resources
+
+    @property
+    def replica_range(self) -> tuple[int, int]:
+        """The fewest and most replicas the run trains with."""
+        return self.min_workers // self.pipeline_stages, self.max_workers // self.pipeline_stages
 
     @property
     def replica_size(self) -> int:
@@ -442,6 +445,10 @@ def check_pipeline_fits(scaling: ScalingConfig, data: DataConfig, strategy: Stra
     stages, m = scaling.pipeline_stages, strategy.pipeline_microbatches
     if stages == 1:
         return
+    if scaling.use_gpu:
+        raise ValueError(f"pipeline_stages({stages}) with use_gpu=True is not built: a survivor blocked in a stage's "
+                         "NCCL send or data-parallel all-reduce could not be aborted when a peer dies; pipelined runs "
+                         "train on CPUs over gloo")
     others = {name: value for name, value in (("precision", strategy.precision), ("compression", strategy.compression),
                                               ("zero", strategy.zero), ("sync", strategy.sync))
               if value != Strategy.model_fields[name].default}
@@ -455,17 +462,14 @@ def check_pipeline_fits(scaling: ScalingConfig, data: DataConfig, strategy: Stra
     if strategy.pipeline_schedule == "interleaved1f1b" and m % stages:
         raise ValueError(f"pipeline_schedule='interleaved1f1b' runs the micro-batches in rounds of pipeline_stages("
                          f"{stages}): pipeline_microbatches({m}) must be a multiple of {stages}")
-    for replicas in range(scaling.min_workers // stages, scaling.max_workers // stages + 1):
-        if data.global_batch_size % (replicas * m):
-            raise ValueError(
-                f"global_batch_size({data.global_batch_size}) does not split into {replicas} equal replica shares of "
-                f"pipeline_microbatches({m}) equal micro-batches; every replica count from min to max must divide "
-                f"it: use a multiple of {_lcm_of_shares(scaling, m)}, or change the replica range")
-
-
-def _lcm_of_shares(scaling: ScalingConfig, microbatches: int) -> int:
-    counts = range(scaling.min_workers // scaling.pipeline_stages, scaling.max_workers // scaling.pipeline_stages + 1)
-    return math.lcm(*(replicas * microbatches for replicas in counts))
+    fewest, most = scaling.replica_range
+    counts = range(fewest, most + 1)
+    if any(data.global_batch_size % (replicas * m) for replicas in counts):
+        bad = next(replicas for replicas in counts if data.global_batch_size % (replicas * m))
+        raise ValueError(
+            f"global_batch_size({data.global_batch_size}) does not split into {bad} equal replica shares of "
+            f"pipeline_microbatches({m}) equal micro-batches; every replica count from min to max must divide it: "
+            f"use a multiple of {math.lcm(*(replicas * m for replicas in counts))}, or change the replica range")
 
 
 def check_fits(scaling: ScalingConfig, data: DataConfig) -> None:

@@ -191,8 +191,8 @@ class Protocol:
             # checkpoint. A death is not a failure, so this is not counted as one.
             if not obs.checkpointed:
                 message = (f"generation {obs.generation} lost part of the run's state ({obs.error}) and there is no "
-                           "complete checkpoint to restart from; with Strategy(zero_replicas=0) checkpoint often "
-                           "(CheckpointConfig(every_steps=N)), or keep zero_replicas=1")
+                           "complete checkpoint to restart from; checkpoint often (CheckpointConfig(every_steps=N)), "
+                           "and with ZeRO keep Strategy(zero_replicas=1)")
                 return self._enter(Failed(message, "state_lost"), "state lost, no checkpoint")
             for record in self.workers.values():
                 record.holds_state = False
@@ -233,11 +233,15 @@ class Protocol:
         if isinstance(state, Waiting):
             if now > state.deadline:
                 live = len(self.members) + len(self._with(Status.IDLE))
-                message = (
-                    f"only {live} of min_workers({self.scaling.min_workers}) workers could run for "
-                    f"FailureConfig(capacity_timeout_s={self.failure.capacity_timeout_s}); each worker needs "
-                    f"{self.scaling.worker_resources()}. Add capacity or lower min_workers."
-                )
+                scaling = self.scaling
+                if scaling.replica_size > 1:
+                    short = (f"only {live} of the {scaling.min_workers} workers that min_replicas("
+                             f"{scaling.replica_range[0]}) replicas of {scaling.replica_size} need")
+                    knob = "min_replicas"
+                else:
+                    short, knob = f"only {live} of min_workers({scaling.min_workers}) workers", "min_workers"
+                message = (f"{short} could run for FailureConfig(capacity_timeout_s={self.failure.capacity_timeout_s}); "
+                           f"each worker needs {scaling.worker_resources()}. Add capacity or lower {knob}.")
                 return self._enter(Failed(message, "capacity"), "capacity timeout")
             return self._reconcile(now)
         stalled = now - max(obs.last_step_at, self.progress_at)
@@ -397,9 +401,11 @@ class Protocol:
             record = self.workers[mate]
             if mate == worker_id or record.status == Status.GONE:
                 continue
-            why = f"worker {worker_id} of its replica was lost; a replica trains only whole"
-            actions += [self._worker_failed(mate, "replica", why), Kill(mate)]
-            record.status, record.evicted_for = Status.GONE, "replica"
+            if not record.evicted_for:  # one the controller already killed (hung, say) is not killed twice
+                why = f"worker {worker_id} of its replica was lost; a replica trains only whole"
+                actions += [self._worker_failed(mate, "replica", why), Kill(mate)]
+                record.evicted_for = "replica"
+            record.status = Status.GONE
             self.members = tuple(w for w in self.members if w != mate)
         return actions
 
@@ -478,9 +484,8 @@ class Protocol:
     def _top_up(self) -> list[Action]:
         """Request workers until live ones reach max_workers plus the warm spares."""
         live = sum(r.status != Status.GONE for r in self.workers.values())
+        # A lost replica goes whole (`_release_replica_of`), so this requests whole replicas.
         count = policies.workers_to_start(live, self.scaling.max_workers + self.scaling.spare_workers)
-        size = self.scaling.replica_size
-        count = -(-count // size) * size  # whole replicas: the lost ones went whole
         ids = tuple(range(len(self.workers), len(self.workers) + count))
         for worker_id in ids:
             self.workers[worker_id] = WorkerRecord(worker_id)

@@ -364,10 +364,12 @@ def test_zero_without_buddy_copies_needs_zero_and_a_checkpoint_schedule_to_resta
 
 def test_replicas_count_workers_in_whole_replicas_of_pipeline_stages():
     config = ScalingConfig(pipeline_stages=2, min_replicas=1, max_replicas=3)
-    assert (config.min_workers, config.max_workers, config.replica_size) == (2, 6, 2)
+    assert (config.min_workers, config.max_workers, config.replica_size, config.replica_range) == (2, 6, 2, (1, 3))
     assert ScalingConfig(pipeline_stages=2, max_replicas=2).min_workers == 2  # one replica at least, by default
-    assert ScalingConfig(pipeline_stages=2, min_workers=2, max_workers=4) == ScalingConfig(
-        pipeline_stages=2, min_replicas=1, max_replicas=2)
+    by_workers = ScalingConfig(pipeline_stages=2, min_workers=2, max_workers=4)
+    assert (by_workers.min_workers, by_workers.max_workers, by_workers.replica_range) == (2, 4, (1, 2))
+    as_text = ScalingConfig(pipeline_stages="2", min_replicas="2", max_replicas="3")  # coerced before counting
+    assert (as_text.min_workers, as_text.max_workers) == (4, 6)
 
 
 @pytest.mark.parametrize("given, named", [
@@ -376,6 +378,8 @@ def test_replicas_count_workers_in_whole_replicas_of_pipeline_stages():
     ({"min_replicas": 1, "min_workers": 4, "max_workers": 4}, r"min_replicas\(1\) x pipeline_stages\(2\) is 2 "
                                                               r"workers, but min_workers\(4\) differs"),
     ({"max_replicas": 2, "spare_workers": 1}, r"spare_workers\(1\) with pipeline_stages\(2\) is not built"),
+    ({"num_workers": 2, "min_replicas": 2}, r"min_replicas\(2\) x pipeline_stages\(2\) is 4 workers, but "
+                                            r"num_workers\(2\) differs"),
 ])
 def test_a_partial_replica_is_rejected_with_the_fix(given, named):
     with pytest.raises(ValidationError, match=named):
@@ -397,3 +401,14 @@ def test_a_pipelined_run_that_cannot_split_its_batch_or_uses_an_unbuilt_techniqu
     with pytest.raises(ValueError, match=named):
         check_pipeline_fits(scaling, DataConfig(global_batch_size=global_batch, micro_batch_size=4, max_steps=4),
                             strategy)
+
+
+def test_a_pipelined_run_on_gpus_is_refused_until_its_collectives_can_be_aborted():
+    scaling = ScalingConfig(pipeline_stages=2, max_replicas=2, use_gpu=True)
+    with pytest.raises(ValueError, match=r"pipeline_stages\(2\) with use_gpu=True is not built"):
+        check_pipeline_fits(scaling, DataConfig(global_batch_size=64, micro_batch_size=4, max_steps=4), Strategy())
+
+
+def test_a_stage_count_of_zero_is_a_validation_error_naming_the_field():
+    with pytest.raises(ValidationError, match="pipeline_stages"):
+        ScalingConfig(pipeline_stages=0, num_workers=2)

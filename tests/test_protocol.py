@@ -525,6 +525,27 @@ def replicas(**kwargs):
 def test_workers_are_started_in_whole_replicas():
     group = replicas()
     assert group.started == [0, 1, 2, 3]
+    assert group.protocol.workers[2].status == Status.STARTING
+
+
+def test_a_death_in_a_replica_still_starting_takes_its_mate_and_asks_for_a_whole_new_one():
+    group = replicas()
+    group.ready(0, 1, 2)
+    group.die(3)
+    assert group.killed == [2] and group.protocol.workers[2].status == Status.GONE
+    assert group.started == [0, 1, 2, 3, 4, 5]
+    group.send(Tick(), after_s=START_GRACE_S + 0.1)
+    assert group.latest_offer.formation.members == (0, 1)
+
+
+def test_a_newcomer_replica_that_loses_a_worker_during_its_grow_is_aborted_and_the_run_goes_on():
+    group = replicas()
+    group.start_run(0, 1)
+    group.ready(2, 3)
+    generation = max(group.prepares)
+    group.die(2)
+    assert generation in group.aborted and group.killed == [3]
+    assert group.state == "RUNNING" and group.protocol.members == (0, 1) and not group.protocol.broken
 
 
 def test_a_replica_joins_only_when_all_of_its_workers_are_ready():
@@ -571,3 +592,25 @@ def test_losing_every_replica_restarts_from_the_checkpoint_with_new_ones():
     assert sorted(group.killed) == [1, 3]
     group.ready(4, 5)
     assert group.latest_offer.formation.members == (4, 5) and group.latest_offer.restart
+
+
+def test_a_hung_worker_is_evicted_with_its_replica_and_a_mate_already_evicted_is_not_killed_twice():
+    group = replicas()
+    group.start_run(0, 1, 2, 3)
+    group.send(Tick(last_step_at=group.now - 6, deadline_s=5.0), after_s=6.0)
+    group.send(ProgressPolled({0: progress(10), 1: progress(10), 2: progress(10), 3: progress(10, entered_sync=9)}))
+    assert group.killed == [3]
+    group.die(3)
+    assert group.killed == [3, 2] and group.latest_offer.formation.members == (0, 1)
+    # Every member evicted at once (a collective deadlock): each death releases mates already killed.
+    group = replicas(max_failures=1)
+    group.start_run(0, 1, 2, 3)
+    group.send(Tick(last_step_at=group.now - 6, deadline_s=5.0), after_s=6.0)
+    blocked = WorkerProgress(step=10, entered_sync=10, launched=10, arrived=0, checkpointing=False,
+                             blocked_in="all_reduce at loop.py:3")
+    group.send(ProgressPolled({w: blocked for w in range(4)}))
+    assert sorted(group.killed) == [0, 1, 2, 3]
+    for worker_id in range(4):
+        group.die(worker_id)
+    assert sorted(group.killed) == [0, 1, 2, 3], "a worker was killed twice"
+    assert len(group.events("worker_failed")) == 4
