@@ -256,13 +256,15 @@ class Controller:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         avoid = policies.nodes_to_avoid(self.protocol.node_failures, time.time(), config.node_failure_limit,
                                         config.node_cooldown_s, alive)
+        size = self.spec.scaling.replica_size
+        # A replica's placement group takes its bundles where Ray finds room, avoided nodes included.
+        avoiding = "new workers avoid it until then" if size == 1 else "new replicas do not avoid it (not built)"
         for node in sorted(avoid - self.avoided):
             self.journal.emit("decision", action="AVOID_NODE", node=node, failures=self.protocol.failures,
                               reason=f"{config.node_failure_limit} worker failures on node {node} within FailureConfig("
-                              f"node_cooldown_s={config.node_cooldown_s}); new workers avoid it until then")
+                              f"node_cooldown_s={config.node_cooldown_s}); {avoiding}")
         self.avoided = avoid
         placement = NodeLabelSchedulingStrategy(hard={NODE_ID_LABEL: NotIn(*sorted(avoid))}) if avoid else None
-        size = self.spec.scaling.replica_size
         for worker_id in worker_ids:
             if size > 1:
                 placement = self._replica_placement(worker_id, size)
@@ -281,8 +283,8 @@ class Controller:
         replica = worker_id // size
         if replica not in self.placement_groups:
             bundle = {k: v for k, v in self.spec.scaling.worker_resources().items() if v}
-            self.placement_groups[replica] = placement_group([bundle] * size, strategy="PACK",
-                                                             name=f"elastic-{self.spec.run.name}-replica-{replica}")
+            name = f"elastic-{self.spec.run.name}-{self.spec.attempt[:8]}-replica-{replica}"
+            self.placement_groups[replica] = placement_group([bundle] * size, strategy="PACK", name=name)
         return PlacementGroupSchedulingStrategy(self.placement_groups[replica],
                                                 placement_group_bundle_index=worker_id % size)
 

@@ -22,6 +22,7 @@ moves only then.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -68,6 +69,8 @@ from elastic.techniques import Techniques
 AGREEMENT_EVERY_STEPS = 8
 
 _current: "TrainContext | None" = None
+PIPELINING = "torch.distributed.pipelining"
+PIPELINE_WAITS = ("_wait_batch_p2p",)  # torch's schedules wait on a batch of sends and receives here
 
 
 def get_context() -> "TrainContext":
@@ -234,10 +237,10 @@ class TrainContext:
             raise ElasticError(f"with pipeline_stages({self.shape.pipeline_stages}) the last stage computes the loss: "
                                "call ctx.prepare_model(model, loss_fn=...), e.g. loss_fn=nn.functional.mse_loss, "
                                "a function of (outputs, targets) returning their mean loss")
-        model.to(self.device)
         self._pipeline = PipelinedReplica(model, loss_fn, stages=self.shape.pipeline_stages, stage=self._slot,
                                           microbatches=self.strategy.pipeline_microbatches,
                                           schedule=self.strategy.pipeline_schedule)
+        self._pipeline.module.to(self.device)  # this stage only: the others' layers are dropped
         self._objects["model"] = self._pipeline
         return self._pipeline
 
@@ -258,6 +261,9 @@ class TrainContext:
     def _check_weighted(self) -> None:
         """Before the optimizer steps: every micro-batch of the step went through mb.backward."""
         step = self._current_step
+        if step is not None and step.weighted < step.given and self.pipelined:
+            raise UnweightedBackwardError(f"step {step.index}: the optimizer steps before model.step(batch) ran the "
+                                          "replica's batch: call loss = model.step(step.batch()) first")
         if step is not None and step.weighted < step.given:
             raise UnweightedBackwardError(
                 f"step {step.index}: {step.given - step.weighted} of the {step.given} micro-batches were "
@@ -335,6 +341,8 @@ class TrainContext:
     def steps(self, dataset: Any) -> Iterator[Step]:
         """Yield each remaining global step of the run, healing and rescaling in between."""
         self._loader = open_loader(dataset, self.data_config, pin_memory=self.device.type == "cuda")
+        if self.pipelined and isinstance(self._loader, Loader):
+            self._check_full_steps(self._loader.num_samples)
         if isinstance(self._loader, StreamLoader):
             self._objects["data_stream"] = self._loader  # its position is synced and checkpointed
         self._train_thread = threading.get_ident()
@@ -422,6 +430,15 @@ class TrainContext:
             else:
                 yield batch
 
+    def _check_full_steps(self, samples: int) -> None:
+        """A pipelined replica cuts its share into equal micro-batches, so no step may be short."""
+        global_batch = self.data_config.global_batch_size
+        if not self.data_config.drop_last and samples % global_batch:
+            raise ElasticError(
+                f"the dataset has {samples} samples, so each epoch ends with a step of {samples % global_batch}, short "
+                f"of global_batch_size({global_batch}), which the replicas cannot cut into equal micro-batches: set "
+                "DataConfig(drop_last=True), or give a dataset of a multiple of global_batch_size samples")
+
     def _replica_batch(self, step: Step) -> ReplicaBatch:
         """The replica's share of `step` as one batch, which every stage of the replica reads alike."""
         if not self.pipelined:
@@ -432,7 +449,7 @@ class TrainContext:
         if self.faults.slow_extra_s:
             time.sleep(self.faults.slow_extra_s)  # an injected straggler
         samples = sum(micro.samples for micro in loaded)
-        if samples % self.strategy.pipeline_microbatches:
+        if samples == 0 or samples % self.strategy.pipeline_microbatches:
             raise ElasticError(
                 f"step {step.index} gives replica {replica} of {replicas} {samples} samples, which do not cut into "
                 f"pipeline_microbatches({self.strategy.pipeline_microbatches}) equal micro-batches (the epoch's last "
@@ -645,6 +662,8 @@ class TrainContext:
         self._last_sync, progress = sync_state(self._objects, held.progress, self.device, holds_state, data_group)
         if self.pipelined:
             _check_stages_agree(progress["step"], self.device)
+            source = dist.get_global_rank(data_group, self._last_sync.source_rank)
+            self._last_sync = dataclasses.replace(self._last_sync, source_rank=source)
         self._holds_state = True
         self._step_index = progress["step"]
         self._cursor = data_math.DataCursor(**progress["cursor"])
@@ -744,7 +763,11 @@ class TrainContext:
         frame = sys._current_frames().get(self._train_thread)
         called = None
         while frame is not None:
-            if frame.f_globals.get("__name__", "").startswith("torch.distributed"):
+            module = frame.f_globals.get("__name__", "")
+            # A pipeline schedule runs the stage's compute too: of its own frames, only its wait
+            # on the stages' sends and receives is a wait in a collective.
+            waits = not module.startswith(PIPELINING) or frame.f_code.co_name in PIPELINE_WAITS
+            if module.startswith("torch.distributed") and waits:
                 called = called or frame.f_code.co_name
             elif called is not None:
                 code = frame.f_code

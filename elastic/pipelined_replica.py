@@ -57,7 +57,6 @@ class PipelinedReplica:
                  stages: int, stage: int, microbatches: int, schedule: str) -> None:
         self.pipe = PipelinedModel(layers, stages, loss_fn, microbatches=microbatches, schedule=schedule)
         self.pipe.hold(stage)
-        self.stage = stage
         self._average: Callable[[torch.Tensor], None] | None = None
         self._agree: Callable[[], None] | None = None
 
@@ -101,7 +100,14 @@ class PipelinedReplica:
         inputs, targets = _inputs_and_targets(batch.data)
         loss = self.pipe.step(inputs, targets)
         batch.on_sync()
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        # Every replica's stage averages the same buffer: a parameter without a gradient (unused
+        # this step) adds zeros, as DDP does, since buffers of different sizes kill gloo.
+        grads = []
+        for param in self.parameters():
+            if param.requires_grad:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grads.append(param.grad)
         for dtype in sorted({g.dtype for g in grads}, key=str):
             same = [g for g in grads if g.dtype == dtype]
             flat = torch.cat([g.reshape(-1) for g in same]).mul_(batch.weight)

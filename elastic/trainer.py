@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import ray
 
-from elastic.checkpoint import Checkpoint
+from elastic.checkpoint import Checkpoint, latest_complete
 from elastic.config import (DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_pipeline_fits,
                             check_strategy_fits)
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
@@ -98,8 +98,10 @@ class ElasticTrainer:
         resume_from = self.resume_from
         if isinstance(resume_from, str):
             resume_from = Checkpoint.from_path(resume_from, self.run_config.storage_filesystem)
-        if resume_from is not None:
-            _check_resume_fits(resume_from, self.scaling_config)
+        # The controller resumes from resume_from, else from the run's own latest checkpoint.
+        resumes = resume_from or latest_complete(storage, lambda step, reason: None)
+        if resumes is not None:
+            _check_resume_fits(resumes, self.scaling_config)
         if not ray.is_initialized():
             ray.init(address=self.address)
         self._check_cluster_can_host_min_workers()
@@ -181,9 +183,10 @@ def _check_resume_fits(checkpoint: Checkpoint, scaling: ScalingConfig) -> None:
     replicas, but only with the number of stages that wrote it."""
     written = len(checkpoint.parts) or 1
     if written != scaling.pipeline_stages:
-        raise ElasticError(f"resume_from={checkpoint.path} was written by a run of pipeline_stages={written} and this "
-                           f"run has pipeline_stages={scaling.pipeline_stages}: each stage resumes from its own part, so "
-                           f"resume with ScalingConfig(pipeline_stages={written}) (any number of replicas)")
+        raise ElasticError(f"the checkpoint this run resumes from, {checkpoint.path}, was written by a run of "
+                           f"pipeline_stages={written} and this run has pipeline_stages={scaling.pipeline_stages}: each "
+                           f"stage resumes from its own part, so resume with ScalingConfig(pipeline_stages={written}) "
+                           "(any number of replicas), or use a new run name")
 
 
 def _check_travels(value: Any, where: str, fix: str, round_trip: bool = False) -> None:

@@ -105,7 +105,8 @@ def test_a_replica_is_one_placement_group_on_one_node_and_a_node_loss_takes_out_
 
     _wait_for("replica-node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 4 and s["step"] >= 10,
               "2 replicas ran")
-    groups = [g for g in ray.util.placement_group_table().values() if g["name"].startswith("elastic-replica-node-loss-")]
+    groups = [g for g in ray.util.placement_group_table().values()
+              if g["name"].startswith("elastic-replica-node-loss-") and g["state"] == "CREATED"]
     assert len(groups) == 2 and all(len(set(g["bundles_to_node_id"].values())) == 1 for g in groups), groups
     events = read_events(RunStorage(str(tmp_path), "replica-node-loss"))
     node_of_replica = {}

@@ -30,15 +30,17 @@ def reference():
     return plain_reference(MAX_STEPS)
 
 
-def _fit(tmp_path, name, faults=(), compute_s=0.0, resume_from=None, max_replicas=2, stop_at=MAX_STEPS):
-    """The run. With a fault, it is held at step 1 until both replicas' workers started (a slow
-    start may begin with one replica and grow), and at step 12 until a new replica's workers
-    started, so that the replica the death took out comes back before the end."""
+def _fit(tmp_path, name, faults=(), compute_s=0.0, resume_from=None, max_replicas=2, stop_at=MAX_STEPS,
+         regrow=False):
+    """The run, held at step 1 until every replica's workers started (a slow start may begin with
+    one replica and grow); with `regrow`, also at step 12 until a new replica's workers started, so
+    that the replica a death took out comes back before the end."""
     config = {"max_steps": MAX_STEPS, "compute_s": compute_s}  # the ledger's epochs: those of MAX_STEPS
-    regrow = max_replicas == 2 and stop_at == MAX_STEPS
+    config["gate"] = (1, str(tmp_path / f"started-{name}"))
+    gates = [workers_started(2 * max_replicas)]
     if regrow:
-        config["gate"] = (1, str(tmp_path / f"started-{name}"))
         config["gates"] = [(12, str(tmp_path / f"regrown-{name}"))]
+        gates.append(workers_started(2 * max_replicas + 2))
     trainer = ElasticTrainer(
         pipeline_loop,
         train_loop_config=config,
@@ -50,7 +52,7 @@ def _fit(tmp_path, name, faults=(), compute_s=0.0, resume_from=None, max_replica
         resume_from=resume_from,
         show_progress=False,
     )
-    return fit_held(trainer, workers_started(4), workers_started(6)) if regrow else trainer.fit()
+    return fit_held(trainer, *gates)
 
 
 def _assert_exactly_once(ledger):
@@ -80,10 +82,14 @@ def _assert_replica_left_whole_and_came_back(result, dead_rank):
     assert recovery and not any(r["from_checkpoint"] for r in recovery), "the run restarted instead of healing"
 
 
+@pytest.mark.parametrize("where", ["step_start", "allreduce"])
 def test_a_stage_workers_death_takes_out_its_replica_the_other_heals_and_a_new_replica_joins(
-        local_ray, tmp_path, reference):
-    result = _fit(tmp_path, "kill", faults=[Fault(kind="kill", rank=3, step=8)])
-    _assert_replica_left_whole_and_came_back(result, dead_rank=3)
+        local_ray, tmp_path, reference, where):
+    # At its average, stage 0 of replica 1 dies after the stage-1 average may have completed:
+    # no stage of the surviving replica may step then.
+    rank = 3 if where == "step_start" else 2
+    result = _fit(tmp_path, "kill", faults=[Fault(kind="kill", rank=rank, step=8, where=where)], regrow=True)
+    _assert_replica_left_whole_and_came_back(result, dead_rank=rank)
     _assert_exactly_once(result.value["ledger"])
     checkpoint = Checkpoint.from_path(result.checkpoint.path)
     assert checkpoint.step == MAX_STEPS and checkpoint.parts == ["stage-0", "stage-1"]
@@ -94,7 +100,7 @@ def test_slow_steps_heal_a_stage_worker_sigkilled_from_outside_inside_a_step(loc
     killer = OutsideKiller("mid-step", str(tmp_path), "sigkill", SimpleNamespace(compute_s=SLOW_STEP_S), seed=3,
                            victim=2, world_size=4, from_step=6)
     killer.start()
-    result = _fit(tmp_path, "sigkill", compute_s=SLOW_STEP_S)
+    result = _fit(tmp_path, "sigkill", compute_s=SLOW_STEP_S, regrow=True)
     assert killer.done.wait(60) and killer.killed, "the outside kill never happened"
     _assert_replica_left_whole_and_came_back(result, dead_rank=2)
     _assert_exactly_once(result.value["ledger"])

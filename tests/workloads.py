@@ -175,11 +175,14 @@ def pipeline_loop(config: dict) -> dict:
         with step:
             time.sleep(config.get("compute_s", 0.0))
             batch = step.batch()
-            loss = model.step(batch)
             counts = torch.zeros(NUM_SAMPLES, dtype=torch.float64)
             if ctx.pipeline_stage == 0:
                 counts[batch.indices] += 1
-            dist.all_reduce(counts)  # every replica's stage 0 counted its share
+            # Every replica's stage 0 counted its share. Before model.step: a collective of every
+            # rank between the stages' gradient averages and the optimizer's step would hide a
+            # stage that steps while another's average failed.
+            dist.all_reduce(counts)
+            loss = model.step(batch)
             optimizer.step()
             optimizer.zero_grad()
             ledger[step.cursor.epoch] += counts

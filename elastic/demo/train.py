@@ -119,8 +119,10 @@ class DemoConfig(BaseModel):
                              pipeline_stages=self.pipeline_stages)
 
     def data_config(self) -> DataConfig:
+        # Pipelined replicas cut their shares into equal micro-batches: an epoch's short last step is dropped.
         return DataConfig(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
-                          max_steps=self.steps, seed=self.seed, prefetch_threads=1)
+                          max_steps=self.steps, seed=self.seed, prefetch_threads=1,
+                          drop_last=self.pipeline_stages > 1)
 
     def run_config(self) -> RunConfig:
         # Local SGD checkpoints only at its syncs: round the interval up to a multiple of them.
