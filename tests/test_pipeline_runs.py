@@ -134,5 +134,13 @@ def test_a_pipelined_checkpoint_is_refused_by_a_run_of_another_number_of_stages_
                                            r"ScalingConfig\(pipeline_stages=2\)"):
         trainer.fit()
     assert not (tmp_path / "plain" / "events.jsonl").exists(), "a worker started"
+    # The same, when the checkpoint is the run's own latest: a rerun of the run with other stages.
+    rerun = ElasticTrainer(
+        pipeline_loop, train_loop_config={"max_steps": MAX_STEPS}, scaling_config=ScalingConfig(num_workers=1),
+        run_config=RunConfig(name="two", storage_path=written.storage.root.rsplit("/two/", 1)[0]),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=MAX_STEPS),
+        show_progress=False)
+    with pytest.raises(ElasticError, match=r"pipeline_stages=2 and this run has pipeline_stages=1"):
+        rerun.fit()
     with pytest.raises(CheckpointError, match="has no part 'stage-2'.*parts \\['stage-0', 'stage-1'\\]"):
         written.load_state("stage-2")

@@ -57,3 +57,10 @@ def test_a_pipelined_step_is_one_batch_and_a_plain_steps_are_micro_batches():
         next(Step(_context(2), 0, DataCursor(), 8).micro_batches())
     with pytest.raises(ElasticError, match=r"iterate step.micro_batches\(\) and call mb.backward\(loss\) instead"):
         Step(_context(1), 0, DataCursor(), 8).batch()
+
+
+def test_a_pipelined_run_over_a_dataset_whose_epochs_end_short_is_refused_when_its_steps_start():
+    dataset = torch.utils.data.TensorDataset(torch.zeros(12, 4), torch.zeros(12, 1))  # 8 + a short step of 4
+    with pytest.raises(ElasticError, match=r"the dataset has 12 samples, so each epoch ends with a step of 4, short "
+                                           r"of global_batch_size\(8\).*DataConfig\(drop_last=True\)"):
+        next(_context(2).steps(dataset))
