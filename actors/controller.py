@@ -272,7 +272,7 @@ class Controller:
                                     scheduling_strategy=placement).remote(
                 worker_id, me, self.spec.data, self.spec.run.checkpoint_config, self.storage, self.spec.faults,
                 self.spec.scaling.use_gpu, num_cpus, self.spec.strategy,
-                ReplicaShape(self.spec.scaling.pipeline_stages), worker_id % size,
+                ReplicaShape(self.spec.scaling.pipeline_stages, self.spec.scaling.tensor_parallel), worker_id % size,
             )
             self.handles[worker_id] = handle
             asyncio.ensure_future(self._watch(worker_id, handle))

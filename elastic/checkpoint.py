@@ -50,7 +50,7 @@ MANIFEST = "manifest.json"
 USER_FILES = "user"
 REPORTED = "reported"  # the directory rank 0 reported with elastic.report(checkpoint=...)
 OPTIMIZER_SHARDS = "optimizer-shards"
-STAGE_PART = "stage-{}"  # a pipelined run's stage i
+PART_KINDS = ("stage", "tp")  # the parts of a pipelined run's stages, of a tensor-parallel run's ranks
 # A large write is hashed and written in pieces of this size: small enough that the hash and the
 # write read a piece while it is still in the CPU cache.
 HASH_PIECE_BYTES = 8 << 20
@@ -66,6 +66,19 @@ def step_dir(step: int) -> str:
 
 def shard_name(rank: int, world_size: int) -> str:
     return f"shard-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def part_name(pipeline_stages: int, tensor_parallel: int, slot: int) -> str:
+    """The part a replica's worker at `slot` writes: its stage's, its tensor-parallel rank's, or "" (a plain run)."""
+    if pipeline_stages > 1:
+        return f"stage-{slot}"
+    return f"tp-{slot}" if tensor_parallel > 1 else ""
+
+
+def part_names(pipeline_stages: int, tensor_parallel: int) -> list[str]:
+    """Every part a run of this replica shape writes, in order."""
+    size = pipeline_stages * tensor_parallel
+    return [part_name(pipeline_stages, tensor_parallel, slot) for slot in range(size)] if size > 1 else []
 
 
 @dataclass(frozen=True)
@@ -223,19 +236,20 @@ class Checkpoint:
 
     @property
     def parts(self) -> list[str]:
-        """A pipelined run's stage parts ("stage-0", ...), or [] for a run without pipeline stages."""
+        """A run of replicas' parts: "stage-<i>" of a pipelined run, "tp-<j>" of a tensor-parallel one; [] for a
+        plain run."""
         return sorted({e["name"].split("/")[0] for e in self.manifest["files"]
-                       if e["name"].startswith(STAGE_PART.format("")) and "/shard-" in e["name"]},
+                       if e["name"].split("-")[0] in PART_KINDS and "/shard-" in e["name"]},
                       key=lambda part: int(part.rpartition("-")[2]))
 
     def load_state(self, part: str = "") -> dict[str, Any]:
         """{"model": ..., "optimizer": ..., <other registered state>..., "progress": {...}}: of the
         whole run, or of one `part` (a pipelined run's stage)."""
         if part not in (self.parts or [""]):
-            written = f"with the parts {self.parts}" if self.parts else "without pipeline stages"
-            raise CheckpointError(f"checkpoint {self.path} has no part {part or 'for a run without pipeline stages'!r}: "
-                                  f"it was written {written}; resume it with the pipeline_stages of the run that "
-                                  f"wrote it ({len(self.parts) or 1}), or load it with load_state(part) of its parts")
+            written = f"with the parts {self.parts}" if self.parts else "without parts (a run without replicas)"
+            raise CheckpointError(f"checkpoint {self.path} has no part {part!r}: it was written {written}; resume it "
+                                  "with the replica shape (pipeline_stages, tensor_parallel) of the run that wrote it, "
+                                  "or load one of its parts with load_state(part)")
         if part:
             prefix = f"{part}/shard-"
             names = sorted(e["name"] for e in self.manifest["files"] if e["name"].startswith(prefix))
@@ -247,10 +261,16 @@ class Checkpoint:
         return {**payload["state"], "progress": payload["progress"]}
 
     def model_state_dict(self) -> dict[str, Any]:
-        """The whole model's state dict: a pipelined run's stages' layers joined under their names."""
+        """The whole model's state dict: a pipelined run's stages' layers joined under their names, a
+        tensor-parallel run's slices joined along the dimensions they were cut."""
+        models = [self.load_state(part)["model"] for part in self.parts or [""]]
+        if self.parts and self.parts[0].startswith("tp-"):
+            from elastic.tensor_parallel_replica import join_slices  # DTensor's import, only for these
+
+            return join_slices(models)
         merged: dict[str, Any] = {}
-        for part in self.parts or [""]:
-            merged.update(self.load_state(part)["model"])
+        for model in models:
+            merged.update(model)
         return merged
 
     def _read(self, entry: dict[str, Any]) -> bytes:

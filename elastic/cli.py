@@ -78,14 +78,18 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--min-workers", type=int,
                       help=f"fewest workers (default: {defaults.min_workers}, or {DEFAULT_REPLICAS[0]} replica of "
-                      "--pipeline-stages workers)")
+                      "--pipeline-stages x --tensor-parallel workers)")
     demo.add_argument("--max-workers", type=int,
                       help=f"most workers (default: {defaults.max_workers}, or {DEFAULT_REPLICAS[1]} replicas of "
-                      "--pipeline-stages workers)")
+                      "--pipeline-stages x --tensor-parallel workers)")
     demo.add_argument("--pipeline-stages", type=int, default=defaults.pipeline_stages, metavar="S",
                       help="workers per replica, each holding one pipeline stage of the LM; above 1 a replica is "
                       "the unit that heals and grows: a stage worker's death takes out its replica, the others "
                       "go on, and a new replica joins (default: %(default)s)")
+    demo.add_argument("--tensor-parallel", type=int, default=defaults.tensor_parallel, metavar="T",
+                      help="workers per replica that cut each block of the LM between them (Megatron's cut of the "
+                      "attention heads and the MLP); above 1 a worker's death takes out its replica, the others go "
+                      "on, and a new replica joins (default: %(default)s)")
     demo.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps (default: %(default)s)")
     demo.add_argument(
         "--inject", action="append", type=_fault_or_none, metavar="SPEC",
@@ -130,7 +134,8 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"--inject {NO_FAULTS} cannot be combined with other --inject faults")
     fields = dict(
         name=args.name, storage_path=args.storage_path, address=args.address, data_dir=args.data_dir,
-        pipeline_stages=args.pipeline_stages, min_workers=args.min_workers, max_workers=args.max_workers,
+        pipeline_stages=args.pipeline_stages, tensor_parallel=args.tensor_parallel, min_workers=args.min_workers,
+        max_workers=args.max_workers,
         steps=args.steps, faults=[f for f in injected if f is not None],
         strategy={"precision": args.precision, "compression": args.compression, "sync": args.sync, "zero": args.zero},
     )
@@ -143,11 +148,12 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("; ".join(_validation_message(e) for e in exc.errors()))
     if not injected and config.faults:
         fault = config.faults[0]
-        stages, where = config.pipeline_stages, ""
+        size, where = config.replica_size, ""
         then = (f"watch the run heal with the survivors and grow back to {config.max_workers} workers when Ray has "
                 "started a replacement")
-        if stages > 1:
-            where = f" (stage {fault.rank % stages} of replica {fault.rank // stages})"
+        if size > 1:
+            role = "stage" if config.pipeline_stages > 1 else "tensor-parallel rank"
+            where = f" ({role} {fault.rank % size} of replica {fault.rank // size})"
             then = (f"watch its replica leave whole, the other heal in place, and a new replica join, back to "
                     f"{config.max_workers} workers, when Ray has started it")
         print(f"elastic demo: no --inject given, so rank {fault.rank}{where} will be killed at step {fault.step} of "

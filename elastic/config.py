@@ -40,11 +40,14 @@ class ScalingConfig(_Frozen):
     pipeline_stages: int = Field(
         1, gt=0, description="Workers per replica, each holding one pipeline stage of the model (docs/parallelism.md). "
         "Above 1 the replica is the elastic unit: a death takes out its replica and the others heal in place.")
+    tensor_parallel: int = Field(
+        1, gt=0, description="Workers per replica (per pipeline stage) that cut each of the model's planned layers "
+        "between them, Megatron-style (docs/parallelism.md); above 1 the replica is the elastic unit.")
     min_replicas: int | None = Field(
-        None, gt=0, description="Fewest replicas of pipeline_stages workers training may continue with; sets "
-        "min_workers to min_replicas x pipeline_stages.")
+        None, gt=0, description="Fewest replicas (of pipeline_stages x tensor_parallel workers) training may continue "
+        "with; sets min_workers to that many workers.")
     max_replicas: int | None = Field(
-        None, gt=0, description="Most replicas the run grows to; sets max_workers to max_replicas x pipeline_stages.")
+        None, gt=0, description="Most replicas the run grows to; sets max_workers to that many workers.")
     use_gpu: bool = Field(False, description="Give each worker one GPU and use NCCL instead of gloo.")
     resources_per_worker: dict[str, float] = Field(
         default_factory=dict,
@@ -72,31 +75,31 @@ class ScalingConfig(_Frozen):
     def _in_replicas(cls, values: Any, handler: Any) -> "ScalingConfig":
         """min_workers and max_workers from min_replicas and max_replicas, once every field is valid."""
         config = handler(values)
-        stages = config.pipeline_stages
+        size, words = config.replica_size, _replica_words(config.pipeline_stages, config.tensor_parallel)
         counted = {}
         for bound in ("min", "max"):
             replicas, field = getattr(config, f"{bound}_replicas"), f"{bound}_workers"
             if replicas is None:
-                if stages > 1 and field not in config.model_fields_set:
-                    counted[field] = stages  # one replica, as one worker is without pipeline stages
+                if size > 1 and field not in config.model_fields_set:
+                    counted[field] = size  # one replica, as one worker is without parallelism inside replicas
                 continue
-            if field in config.model_fields_set and getattr(config, field) != replicas * stages:
+            if field in config.model_fields_set and getattr(config, field) != replicas * size:
                 named = "num_workers" if config.num_workers is not None else field
                 raise ValueError(
-                    f"{bound}_replicas({replicas}) x pipeline_stages({stages}) is {replicas * stages} workers, but "
+                    f"{bound}_replicas({replicas}) x {words} is {replicas * size} workers, but "
                     f"{named}({getattr(config, field)}) differs; give the run's size in replicas or in workers, not both")
-            counted[field] = replicas * stages
+            counted[field] = replicas * size
         if counted and isinstance(values, dict):
             config = handler({**values, **counted})
         for bound in ("min", "max"):
             workers = getattr(config, f"{bound}_workers")
-            if workers % stages:
-                raise ValueError(f"{bound}_workers({workers}) is not a whole number of replicas of pipeline_stages("
-                                 f"{stages}) workers; give min_replicas and max_replicas instead")
-        if stages > 1 and config.spare_workers:
+            if workers % size:
+                raise ValueError(f"{bound}_workers({workers}) is not a whole number of replicas of {words} workers; "
+                                 "give min_replicas and max_replicas instead")
+        if size > 1 and config.spare_workers:
             raise ValueError(
-                f"spare_workers({config.spare_workers}) with pipeline_stages({stages}) is not built: a spare would have "
-                "to be a whole replica; leave spare_workers at 0, and a new replica forms when capacity for one is back")
+                f"spare_workers({config.spare_workers}) with {words} is not built: a spare would have to be a whole "
+                "replica; leave spare_workers at 0, and a new replica forms when capacity for one is back")
         return config
 
     @model_validator(mode="after")
@@ -125,16 +128,25 @@ class ScalingConfig(_Frozen):
     @property
     def replica_range(self) -> tuple[int, int]:
         """The fewest and most replicas the run trains with."""
-        return self.min_workers // self.pipeline_stages, self.max_workers // self.pipeline_stages
+        return self.min_workers // self.replica_size, self.max_workers // self.replica_size
 
     @property
     def replica_size(self) -> int:
         """Workers per replica: the unit the run heals and grows by."""
-        return self.pipeline_stages
+        return self.pipeline_stages * self.tensor_parallel
 
     @property
     def backend(self) -> Literal["nccl", "gloo"]:
         return "nccl" if self.use_gpu else "gloo"
+
+
+def _replica_words(stages: int, tensor_parallel: int) -> str:
+    """A replica's size as the user gave it, for messages."""
+    if tensor_parallel == 1:
+        return f"pipeline_stages({stages})"
+    if stages == 1:
+        return f"tensor_parallel({tensor_parallel})"
+    return f"pipeline_stages({stages}) x tensor_parallel({tensor_parallel})"
 
 
 class DataConfig(_Frozen):
@@ -440,22 +452,29 @@ def check_strategy_fits(strategy: Strategy, checkpoint: CheckpointConfig) -> Non
                          f"sync is checkpointed; use every_steps={every * max(1, checkpoint.every_steps // every)}")
 
 
-def check_pipeline_fits(scaling: ScalingConfig, data: DataConfig, strategy: Strategy) -> None:
-    """Checks of a pipelined run (pipeline_stages > 1) across the three configs; raises ValueError."""
+def check_replicas_fit(scaling: ScalingConfig, data: DataConfig, strategy: Strategy) -> None:
+    """Checks of a run of replicas (pipeline_stages or tensor_parallel > 1) across the three configs; raises
+    ValueError."""
     stages, m = scaling.pipeline_stages, strategy.pipeline_microbatches
-    if stages == 1:
+    if scaling.replica_size == 1:
         return
+    words = _replica_words(stages, scaling.tensor_parallel)
+    if stages > 1 and scaling.tensor_parallel > 1:
+        raise ValueError(f"{words} is not built in runs yet: a replica is pipeline stages or tensor-parallel ranks, "
+                         "not both; see docs/parallelism.md")
     if scaling.use_gpu:
-        raise ValueError(f"pipeline_stages({stages}) with use_gpu=True is not built: a survivor blocked in a stage's "
-                         "NCCL send or data-parallel all-reduce could not be aborted when a peer dies; pipelined runs "
-                         "train on CPUs over gloo")
+        raise ValueError(f"{words} with use_gpu=True is not built: a survivor blocked in an NCCL collective of its "
+                         "replica or its data-parallel group could not be aborted when a peer dies; replicas train on "
+                         "CPUs over gloo")
     others = {name: value for name, value in (("precision", strategy.precision), ("compression", strategy.compression),
                                               ("zero", strategy.zero), ("sync", strategy.sync))
               if value != Strategy.model_fields[name].default}
     if others:
         given = ", ".join(f"{k}={v!r}" for k, v in others.items())
-        raise ValueError(f"Strategy({given}) with pipeline_stages({stages}) is not built: pipelined replicas average "
-                         "fp32 gradients every step; leave those at their defaults")
+        raise ValueError(f"Strategy({given}) with {words} is not built: replicas average fp32 gradients every step; "
+                         "leave those at their defaults")
+    if stages == 1:
+        return
     if strategy.pipeline_schedule == "1f1b" and m < stages:
         raise ValueError(f"pipeline_schedule='1f1b' needs a micro-batch per stage: pipeline_microbatches({m}) < "
                          f"pipeline_stages({stages}); use pipeline_microbatches >= {stages}")

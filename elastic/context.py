@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic import data as data_math
 from elastic import reported
-from elastic.checkpoint import STAGE_PART, Checkpoint, CheckpointError, CheckpointWriter, Part, take_snapshot
+from elastic.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, Part, part_name, take_snapshot
 from elastic.collectives import Collectives
 from elastic.config import CheckpointConfig, DataConfig, Strategy
 from elastic.errors import ElasticError, StateLostError, UnweightedBackwardError, WorkerEvictedError
@@ -62,6 +62,8 @@ from elastic.step import BetweenSteps, ElasticDDP, MicroBatch, Step
 from elastic.stream import StreamLoader
 from elastic.state_sync import load_into, state_of, sync_state
 from elastic.techniques import Techniques
+from elastic.tensor_parallel import Plan
+from elastic.tensor_parallel_replica import LocalSlices, TensorParallelReplica
 
 # Steps between the boundary all-reduces that agree on time-based checkpoints (only runs with
 # CheckpointConfig(every_s) launch them). The step index decides, so every rank checks at the
@@ -162,6 +164,7 @@ class TrainContext:
         self.shape = shape  # workers per replica; a pipelined run's replica is the elastic unit
         self._slot = slot  # this worker's place in its replica, for its whole life: its pipeline stage
         self._pipeline: PipelinedReplica | None = None
+        self._tensor: TensorParallelReplica | None = None
         self._position: Position | None = None  # its replica and stage in the current generation
         self._data_group: dist.ProcessGroup | None = None  # the same stage of every replica, this generation
 
@@ -191,11 +194,21 @@ class TrainContext:
     @property
     def pipeline_stage(self) -> int:
         """The pipeline stage this worker holds (0 without pipeline stages)."""
-        return self._slot
+        return self._slot // self.shape.tensor_parallel
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """This worker's rank in its replica's tensor-parallel group (0 without tensor parallelism)."""
+        return self._slot % self.shape.tensor_parallel
 
     @property
     def pipelined(self) -> bool:
         return self.shape.pipeline_stages > 1
+
+    @property
+    def in_replicas(self) -> bool:
+        """Replicas of several workers are the run's data-parallel peers (pipeline stages or tensor parallelism)."""
+        return self.shape.size > 1
 
     @property
     def generation(self) -> int:
@@ -206,8 +219,9 @@ class TrainContext:
         """Optimizer steps committed so far in the run."""
         return self._step_index
 
-    def prepare_model(self, model: torch.nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-                      ) -> ElasticDDP | PipelinedReplica:
+    def prepare_model(self, model: torch.nn.Module,
+                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                      tensor_parallel_plan: Plan | None = None) -> ElasticDDP | PipelinedReplica | TensorParallelReplica:
         """Register `model` for healing and wrap it in DDP; call before `steps()`.
 
         Under Strategy(zero=2 or 3) each generation shards it with FSDP2 instead: the returned
@@ -215,11 +229,19 @@ class TrainContext:
         With ScalingConfig(pipeline_stages > 1), `model` is an nn.Sequential cut into that many
         stages and `loss_fn(outputs, targets)` the mean loss the last stage computes: the
         returned `PipelinedReplica` holds this worker's stage (elastic.pipelined_replica).
+        With ScalingConfig(tensor_parallel > 1), `tensor_parallel_plan` (by default the model's
+        `tensor_parallel_plan()`) cuts its layers across the replica's workers: the returned
+        `TensorParallelReplica` holds this worker's slices (elastic.tensor_parallel_replica).
         """
-        if self._model is not None or self._pipeline is not None:
+        if self._model is not None or self._pipeline is not None or self._tensor is not None:
             raise ElasticError("prepare_model() was called twice; elastic syncs one model per run")
+        if tensor_parallel_plan is not None and self.shape.tensor_parallel == 1:
+            raise ElasticError("prepare_model(model, tensor_parallel_plan=...) takes a plan only in a tensor-parallel "
+                               "run (ScalingConfig(tensor_parallel > 1))")
         if self.pipelined:
             return self._prepare_pipeline(model, loss_fn)
+        if self.shape.tensor_parallel > 1:
+            return self._prepare_tensor_parallel(model, tensor_parallel_plan)
         if loss_fn is not None:
             raise ElasticError("prepare_model(model, loss_fn) takes a loss_fn only in a pipelined run "
                                "(ScalingConfig(pipeline_stages > 1)); compute the loss in the train loop instead")
@@ -244,6 +266,19 @@ class TrainContext:
         self._objects["model"] = self._pipeline
         return self._pipeline
 
+    def _prepare_tensor_parallel(self, model: torch.nn.Module, plan: Plan | None) -> TensorParallelReplica:
+        if plan is None:
+            if not callable(getattr(model, "tensor_parallel_plan", None)):
+                raise ElasticError(
+                    f"with tensor_parallel({self.shape.tensor_parallel}) the model's layers are cut by a plan: call "
+                    "ctx.prepare_model(model, tensor_parallel_plan=...), e.g. elastic.tensor_parallel.mlp_plan("
+                    "'0', '2') for a Sequential's Linear pair, or give the model a tensor_parallel_plan() method")
+            plan = model.tensor_parallel_plan()
+        model.to(self.device)
+        self._tensor = TensorParallelReplica(model, plan, self.shape.tensor_parallel)
+        self._objects["model"] = self._tensor
+        return self._tensor
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register `optimizer` for healing; its `step()` commits the current global step.
 
@@ -255,6 +290,10 @@ class TrainContext:
             raise ElasticError("prepare_optimizer() was called twice; elastic syncs one optimizer per run")
         optimizer = self._optimizer = self.techniques.prepare_optimizer(optimizer, self._objects)
         optimizer.register_step_pre_hook(lambda *_: self._check_weighted())
+        if self._tensor is not None:
+            self._tensor.tp.adopt(optimizer)  # each generation's bind carries it to the new module
+            self._objects["optimizer"] = LocalSlices(optimizer)
+            optimizer.register_step_pre_hook(lambda *_: self._average_slices())
         optimizer.register_step_post_hook(lambda *_: self._commit())
         return optimizer
 
@@ -409,7 +448,9 @@ class TrainContext:
         if self.pipelined:
             raise ElasticError("in a pipelined run the stages take the replica's share as one batch, which the "
                                "schedule cuts into micro-batches: use `batch = step.batch()` and `model.step(batch)`")
-        loaded = self._loader.step(step.cursor, step.world_size, step.rank)
+        # In replicas, every worker of a replica computes on the replica's share.
+        peers, peer = (self.num_replicas, self.replica_rank) if self.in_replicas else (step.world_size, step.rank)
+        loaded = self._loader.step(step.cursor, peers, peer)
         ddp = self._model.ddp if self._model else None
         if self.faults.slow_extra_s:
             time.sleep(self.faults.slow_extra_s)  # an injected straggler
@@ -417,7 +458,7 @@ class TrainContext:
             batch = MicroBatch(
                 data=to_device(micro.data, self.device),
                 indices=micro.indices,
-                weight=data_math.gradient_weight(micro.samples, step.world_size, step.samples),
+                weight=data_math.gradient_weight(micro.samples, peers, step.samples),
                 on_sync=(lambda: self._enter_sync(step)) if i == len(loaded) - 1 else None,
                 run_backward=self.techniques.precision.backward,
             )
@@ -471,6 +512,21 @@ class TrainContext:
         future = self._gradient_all_reduce.all_reduce(flat, self._data_group)
         self._launched += 1
         future.wait()
+
+    def _average_slices(self) -> None:
+        """Before a tensor-parallel run's optimizer steps: each local gradient averaged with the same
+        tensor-parallel rank of every replica (the micro-batches' weights make the mean the global batch's)."""
+        grads = self._tensor.gradients()
+        for dtype in sorted({g.dtype for g in grads}, key=str):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            self._average_over_replicas(flat)
+            flat.div_(self.num_replicas)
+            offset = 0
+            for grad in same:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        self._all_averaged()  # as PipelinedReplica.step: no rank steps while another's average failed
 
     def _all_averaged(self) -> None:
         """Return once every rank of the generation averaged its stage's gradients."""
@@ -561,14 +617,14 @@ class TrainContext:
                             self._checkpoint_files, self._checkpoint_metadata, crash_midway=crash,
                             optimizer_shard=optimizer_shard, reported_files=self._reported_files,
                             generation=self.generation,
-                            part=Part(self._checkpoint_part, self.replica_rank, self.num_replicas) if self.pipelined
+                            part=Part(self._checkpoint_part, self.replica_rank, self.num_replicas) if self.in_replicas
                             else None)
         self._last_checkpoint = time.monotonic()
 
     @property
     def _checkpoint_part(self) -> str:
         """The part of a checkpoint this worker writes and restores: its stage's, in a pipelined run."""
-        return STAGE_PART.format(self._slot) if self.pipelined else ""
+        return part_name(self.shape.pipeline_stages, self.shape.tensor_parallel, self._slot)
 
     def _join(self, reason: str, lost: int = 0) -> None:
         """Leave the current generation and join the newest one the controller offers.
@@ -638,10 +694,13 @@ class TrainContext:
         with self._group_lock:
             self._group = (spec.generation, dist.group.WORLD)
         abortable = spec.backend == "gloo" and spec.world_size >= ABORTABLE_FROM_WORLD_SIZE
-        data_group = pipeline_group = None
-        if self.pipelined:
-            data_group, pipeline_group = self._replica_groups(spec)
+        data_group = replica_group = None
+        if self.in_replicas:
+            data_group, replica_group = self._replica_groups(spec)
             abortable = spec.backend == "gloo"
+        if self._tensor is not None:
+            # Before any state moves: the state is this generation's local slices.
+            self._tensor.bind(replica_group)
         self._data_group = data_group
         self._gradient_all_reduce = GradientAllReduce(spec.generation, abortable)
         connected = time.perf_counter()
@@ -660,7 +719,7 @@ class TrainContext:
         self._rolled_back = held.rolled_back
         # A pipelined replica's stage syncs with the same stage of the other replicas only.
         self._last_sync, progress = sync_state(self._objects, held.progress, self.device, holds_state, data_group)
-        if self.pipelined:
+        if self.in_replicas:
             _check_stages_agree(progress["step"], self.device)
             source = dist.get_global_rank(data_group, self._last_sync.source_rank)
             self._last_sync = dataclasses.replace(self._last_sync, source_rank=source)
@@ -672,7 +731,7 @@ class TrainContext:
         if self._model is not None:
             self._model.ddp = self._wrap(self._model.module)
         if self._pipeline is not None:
-            self._pipeline.bind(pipeline_group, self._average_over_replicas, self._all_averaged)
+            self._pipeline.bind(replica_group, self._average_over_replicas, self._all_averaged)
         # The hang check compares these across the members of one generation: count afresh.
         self._entered_sync = self._launched = 0
         done = time.perf_counter()
@@ -680,14 +739,15 @@ class TrainContext:
                 "sync_s": done - connected}
 
     def _replica_groups(self, spec: GenerationSpec) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-        """This generation's (data-parallel, pipeline) groups of this worker, from the replicas' mesh."""
+        """This generation's (data-parallel, within-replica) groups of this worker, from the replicas' mesh: the
+        replica's pipeline group, or its tensor-parallel group."""
         self._position = self.shape.position(spec.rank)
-        if self._position.stage != self._slot:
-            raise ElasticError(f"rank {spec.rank} of generation {spec.generation} is stage {self._position.stage} of its "
-                               f"replica, but this worker holds stage {self._slot}: the controller must keep each "
-                               "replica's workers in stage order; this is a bug in elastic")
+        if (self._position.stage, self._position.tensor) != (self.pipeline_stage, self.tensor_parallel_rank):
+            raise ElasticError(f"rank {spec.rank} of generation {spec.generation} is at {self._position} of its "
+                               f"replica, but this worker holds slot {self._slot}: the controller must keep each "
+                               "replica's workers in order; this is a bug in elastic")
         mesh = self.shape.mesh(spec.world_size, self.device.type)
-        return mesh.get_group("dp"), mesh.get_group("pp")
+        return mesh.get_group("dp"), mesh.get_group("pp" if self.pipelined else "tp")
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Load a durable checkpoint into this rank; the sync then spreads it to the others."""

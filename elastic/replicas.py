@@ -68,12 +68,12 @@ class ReplicaShape:
         return Position(replica, stage, tensor)
 
     def mesh(self, world_size: int, device_type: str = "cpu") -> DeviceMesh:
-        """The generation's mesh ("dp", "pp", "tp") over the current default group: a collective of every rank.
-        Without tensor parallelism it is ("dp", "pp"): each dim's groups are formed by collectives of every rank,
-        and a "tp" dim of size 1 would form one group per rank, in every heal and grow."""
-        shape = (self.replicas(world_size), self.pipeline_stages, self.tensor_parallel)
-        dims = len(MESH_DIMS) if self.tensor_parallel > 1 else 2
-        return init_device_mesh(device_type, shape[:dims], mesh_dim_names=MESH_DIMS[:dims])
+        """The generation's mesh over the current default group, a collective of every rank: dims "dp", then "pp"
+        with pipeline stages and "tp" with tensor parallelism. A dim of size 1 is left out: each dim's groups are
+        formed by collectives of every rank, and one of size 1 would form a group per rank in every heal and grow."""
+        sizes = dict(zip(MESH_DIMS, (self.replicas(world_size), self.pipeline_stages, self.tensor_parallel)))
+        dims = [dim for dim in MESH_DIMS if dim == "dp" or sizes[dim] > 1]
+        return init_device_mesh(device_type, tuple(sizes[dim] for dim in dims), mesh_dim_names=tuple(dims))
 
     def whole_replicas(self, alive: Sequence[bool]) -> tuple[list[int], list[int]]:
         """(the ranks that stay, in order: every member of each replica whose members all live;

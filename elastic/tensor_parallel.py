@@ -160,6 +160,7 @@ class TensorParallelModel:
         successors = _fill(module, self._initial if first else self._module, mesh, cut=first)
         for optimizer in self._optimizers:
             _repoint(optimizer, successors, mesh)
+            _check_kernels(optimizer)
         if first:
             for param in self._initial.parameters():
                 if successors[id(param)] is not param:
@@ -172,22 +173,28 @@ class TensorParallelModel:
         threading.Thread(target=old.clear, name="elastic-leave-tp").start()
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Carry `optimizer` (over this module's parameters) through later binds: it is returned as is, and each
-        bind re-points its parameters and state to the new module."""
-        mine = {id(p) for p in self.module.parameters()}
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        foreign = sum(id(p) not in mine for p in params)
+        """Carry `optimizer` (over this module's parameters, or before the first bind over the given model's)
+        through later binds: it is returned as is, and each bind re-points its parameters and state to the new
+        module."""
+        holder = self._module if self._module is not None else self._initial
+        mine = {id(p) for p in holder.parameters()}
+        foreign = sum(id(p) not in mine for group in optimizer.param_groups for p in group["params"])
         if foreign:
             raise ElasticError(f"The optimizer steps {foreign} parameters that are not tp.module's: build it over "
                                f"tp.module.parameters() after bind(group)")
-        kernels = [kind for kind in ("foreach", "fused") if any(group.get(kind) for group in optimizer.param_groups)]
-        if kernels and len({isinstance(p, DTensor) for p in params}) > 1:
-            raise ElasticError(f"The optimizer runs torch's {kernels[0]} kernel, which takes plain tensors or DTensors "
-                               f"but not both in one call, and its parameters are both (the planned ones are "
-                               f"DTensors): build it with {kernels[0]}=False; the default, None, steps each tensor on "
-                               f"its own when there are DTensors")
+        _check_kernels(optimizer)
         self._optimizers.append(optimizer)
         return optimizer
+
+
+def _check_kernels(optimizer: torch.optim.Optimizer) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    kernels = [kind for kind in ("foreach", "fused") if any(group.get(kind) for group in optimizer.param_groups)]
+    if kernels and len({isinstance(p, DTensor) for p in params}) > 1:
+        raise ElasticError(f"The optimizer runs torch's {kernels[0]} kernel, which takes plain tensors or DTensors "
+                           f"but not both in one call, and its parameters are both (the planned ones are "
+                           f"DTensors): build it with {kernels[0]}=False; the default, None, steps each tensor on "
+                           f"its own when there are DTensors")
 
 
 def _check_plan(module: nn.Module, plan: Plan, size: int) -> None:

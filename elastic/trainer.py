@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import ray
 
-from elastic.checkpoint import Checkpoint, latest_complete
-from elastic.config import (DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_pipeline_fits,
+from elastic.checkpoint import Checkpoint, latest_complete, part_names
+from elastic.config import (DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_replicas_fit,
                             check_strategy_fits)
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
 from elastic.events import read_events
@@ -87,7 +87,7 @@ class ElasticTrainer:
         self.data_config = data_config
         self.strategy = strategy or Strategy()
         check_strategy_fits(self.strategy, run_config.checkpoint_config)
-        check_pipeline_fits(scaling_config, data_config, self.strategy)
+        check_replicas_fit(scaling_config, data_config, self.strategy)
         _check_faults_fire(self.faults, self.strategy)
         self.address = address or os.environ.get("RAY_ADDRESS")
         self.show_progress = show_progress
@@ -179,14 +179,16 @@ def _check_faults_fire(faults: list[Fault], strategy: Strategy) -> None:
 
 
 def _check_resume_fits(checkpoint: Checkpoint, scaling: ScalingConfig) -> None:
-    """A pipelined run's checkpoint holds one part per stage: it resumes at any number of
-    replicas, but only with the number of stages that wrote it."""
-    written = len(checkpoint.parts) or 1
-    if written != scaling.pipeline_stages:
-        raise ElasticError(f"the checkpoint this run resumes from, {checkpoint.path}, was written by a run of "
-                           f"pipeline_stages={written} and this run has pipeline_stages={scaling.pipeline_stages}: each "
-                           f"stage resumes from its own part, so resume with ScalingConfig(pipeline_stages={written}) "
-                           "(any number of replicas), or use a new run name")
+    """A run of replicas checkpoints one part per stage (or tensor-parallel rank): it resumes at any
+    number of replicas, but only with the replica shape that wrote it."""
+    wanted = part_names(scaling.pipeline_stages, scaling.tensor_parallel)
+    if checkpoint.parts != wanted:
+        written = f"the parts {checkpoint.parts}" if checkpoint.parts else "no parts (a run without replicas)"
+        raise ElasticError(f"the checkpoint this run resumes from, {checkpoint.path}, holds {written}, and this run "
+                           f"(pipeline_stages={scaling.pipeline_stages}, tensor_parallel={scaling.tensor_parallel}) "
+                           f"restores {wanted or 'no parts'}: each worker resumes from its own part, so resume with the "
+                           "pipeline_stages and tensor_parallel of the run that wrote it (any number of replicas), or "
+                           "use a new run name")
 
 
 def _check_travels(value: Any, where: str, fix: str, round_trip: bool = False) -> None:

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy, parse_fault
 from elastic.checkpoint import Checkpoint
-from elastic.config import check_fits, check_pipeline_fits, parse_sync
+from elastic.config import check_fits, check_replicas_fit, parse_sync
 from elastic.errors import ElasticError
 from elastic.storage import RunStorage, StorageError
 
@@ -399,16 +399,23 @@ def test_a_pipelined_run_that_cannot_split_its_batch_or_uses_an_unbuilt_techniqu
         strategy, global_batch, named):
     scaling = ScalingConfig(pipeline_stages=2, min_replicas=1, max_replicas=3)
     with pytest.raises(ValueError, match=named):
-        check_pipeline_fits(scaling, DataConfig(global_batch_size=global_batch, micro_batch_size=4, max_steps=4),
+        check_replicas_fit(scaling, DataConfig(global_batch_size=global_batch, micro_batch_size=4, max_steps=4),
                             strategy)
 
 
 def test_a_pipelined_run_on_gpus_is_refused_until_its_collectives_can_be_aborted():
     scaling = ScalingConfig(pipeline_stages=2, max_replicas=2, use_gpu=True)
     with pytest.raises(ValueError, match=r"pipeline_stages\(2\) with use_gpu=True is not built"):
-        check_pipeline_fits(scaling, DataConfig(global_batch_size=64, micro_batch_size=4, max_steps=4), Strategy())
+        check_replicas_fit(scaling, DataConfig(global_batch_size=64, micro_batch_size=4, max_steps=4), Strategy())
 
 
 def test_a_stage_count_of_zero_is_a_validation_error_naming_the_field():
     with pytest.raises(ValidationError, match="pipeline_stages"):
         ScalingConfig(pipeline_stages=0, num_workers=2)
+
+
+def test_pipeline_stages_and_tensor_parallel_in_one_replica_are_refused_until_built():
+    scaling = ScalingConfig(pipeline_stages=2, tensor_parallel=2, max_replicas=2)
+    assert scaling.replica_size == 4 and (scaling.min_workers, scaling.max_workers) == (4, 8)
+    with pytest.raises(ValueError, match=r"pipeline_stages\(2\) x tensor_parallel\(2\) is not built in runs yet"):
+        check_replicas_fit(scaling, DataConfig(global_batch_size=64, micro_batch_size=4, max_steps=4), Strategy())

@@ -1,11 +1,12 @@
-"""Pipelined runs: replicas of 2 pipeline stages are the elastic unit (real Ray actors, gloo).
+"""Runs of replicas: replicas of 2 pipeline stages, or of 2 tensor-parallel ranks, are the
+elastic unit (real Ray actors, gloo).
 
-dp=2 x pp=2 on 4 workers, float64 with Tanh and AdamW. A stage worker dies (an injected kill
-at millisecond steps, or a SIGKILL sent from this process at a moment inside a slow step): its
-replica leaves whole, the other replica heals in place and carries the whole global batch, and
-a new replica forms when capacity for one is back. Every sample is consumed exactly once, and
-the final parameters, joined from the last checkpoint's stage parts, equal one plain process
-trained on each step's whole global batch.
+dp=2 x pp=2 (and dp=2 x tp=2) on 4 workers, float64 with Tanh and AdamW. A replica's worker dies
+(an injected kill at millisecond steps, or a SIGKILL sent from this process at a moment inside a
+slow step): its replica leaves whole, the other replica heals in place and carries the whole
+global batch, and a new replica forms when capacity for one is back. Every sample is consumed
+exactly once, and the final parameters, joined from the last checkpoint's parts (stages, or
+tensor-parallel slices), equal one plain process trained on each step's whole global batch.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy
 from elastic.checkpoint import Checkpoint, CheckpointError
 from elastic.errors import ElasticError
-from workloads import (GLOBAL_BATCH, STEPS_PER_EPOCH, OutsideKiller, fit_held, pipeline_loop, plain_reference,
-                       workers_started)
+from workloads import (GLOBAL_BATCH, STEPS_PER_EPOCH, OutsideKiller, build_mlp, fit_held, pipeline_loop,
+                       plain_reference, tensor_parallel_loop, workers_started)
 
 MAX_STEPS = 24
 SLOW_STEP_S = 0.25
@@ -30,8 +31,13 @@ def reference():
     return plain_reference(MAX_STEPS)
 
 
+@pytest.fixture(scope="module")
+def mlp_reference():
+    return plain_reference(MAX_STEPS, build=build_mlp)
+
+
 def _fit(tmp_path, name, faults=(), compute_s=0.0, resume_from=None, max_replicas=2, stop_at=MAX_STEPS,
-         regrow=False):
+         regrow=False, tensor_parallel=False):
     """The run, held at step 1 until every replica's workers started (a slow start may begin with
     one replica and grow); with `regrow`, also at step 12 until a new replica's workers started, so
     that the replica a death took out comes back before the end."""
@@ -41,10 +47,11 @@ def _fit(tmp_path, name, faults=(), compute_s=0.0, resume_from=None, max_replica
     if regrow:
         config["gates"] = [(12, str(tmp_path / f"regrown-{name}"))]
         gates.append(workers_started(2 * max_replicas + 2))
+    shape = {"tensor_parallel": 2} if tensor_parallel else {"pipeline_stages": 2}
     trainer = ElasticTrainer(
-        pipeline_loop,
+        tensor_parallel_loop if tensor_parallel else pipeline_loop,
         train_loop_config=config,
-        scaling_config=ScalingConfig(pipeline_stages=2, min_replicas=1, max_replicas=max_replicas),
+        scaling_config=ScalingConfig(**shape, min_replicas=1, max_replicas=max_replicas),
         run_config=RunConfig(name=name, storage_path=str(tmp_path), checkpoint_config=CheckpointConfig(every_steps=8)),
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=stop_at),
         strategy=Strategy(pipeline_schedule="1f1b", pipeline_microbatches=4),
@@ -96,6 +103,20 @@ def test_a_stage_workers_death_takes_out_its_replica_the_other_heals_and_a_new_r
     assert _max_diff(checkpoint.model_state_dict(), reference) < 1e-9
 
 
+@pytest.mark.parametrize("where", ["step_start", "allreduce"])
+def test_a_tensor_parallel_workers_death_takes_out_its_replica_the_other_heals_and_a_new_replica_joins(
+        local_ray, tmp_path, mlp_reference, where):
+    rank = 3 if where == "step_start" else 2
+    result = _fit(tmp_path, "tp", faults=[Fault(kind="kill", rank=rank, step=8, where=where)], regrow=True,
+                  tensor_parallel=True)
+    _assert_replica_left_whole_and_came_back(result, dead_rank=rank)
+    _assert_exactly_once(result.value["ledger"])
+    checkpoint = Checkpoint.from_path(result.checkpoint.path)
+    assert checkpoint.step == MAX_STEPS and checkpoint.parts == ["tp-0", "tp-1"]
+    assert checkpoint.load_state("tp-1")["model"]["tensors"]["0.weight"].shape == (16, 16)  # half of 32 rows
+    assert _max_diff(checkpoint.model_state_dict(), mlp_reference) < 1e-9
+
+
 def test_slow_steps_heal_a_stage_worker_sigkilled_from_outside_inside_a_step(local_ray, tmp_path, reference):
     killer = OutsideKiller("mid-step", str(tmp_path), "sigkill", SimpleNamespace(compute_s=SLOW_STEP_S), seed=3,
                            victim=2, world_size=4, from_step=6)
@@ -130,8 +151,8 @@ def test_a_pipelined_checkpoint_is_refused_by_a_run_of_another_number_of_stages_
         run_config=RunConfig(name="plain", storage_path=str(tmp_path)),
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=MAX_STEPS),
         resume_from=written.path, show_progress=False)
-    with pytest.raises(ElasticError, match=r"pipeline_stages=2 and this run has pipeline_stages=1.*"
-                                           r"ScalingConfig\(pipeline_stages=2\)"):
+    with pytest.raises(ElasticError, match=r"holds the parts \['stage-0', 'stage-1'\], and this run \(pipeline_stages=1, "
+                                           r"tensor_parallel=1\) restores no parts"):
         trainer.fit()
     assert not (tmp_path / "plain" / "events.jsonl").exists(), "a worker started"
     # The same, when the checkpoint is the run's own latest: a rerun of the run with other stages.
@@ -140,7 +161,7 @@ def test_a_pipelined_checkpoint_is_refused_by_a_run_of_another_number_of_stages_
         run_config=RunConfig(name="two", storage_path=written.storage.root.rsplit("/two/", 1)[0]),
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=MAX_STEPS),
         show_progress=False)
-    with pytest.raises(ElasticError, match=r"pipeline_stages=2 and this run has pipeline_stages=1"):
+    with pytest.raises(ElasticError, match=r"holds the parts \['stage-0', 'stage-1'\]"):
         rerun.fit()
     with pytest.raises(CheckpointError, match="has no part 'stage-2'.*parts \\['stage-0', 'stage-1'\\]"):
         written.load_state("stage-2")

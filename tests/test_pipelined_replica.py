@@ -1,4 +1,4 @@
-"""The pipelined run's refusals in the train loop's own calls, on a real TrainContext (no Ray, no group)."""
+"""A run of replicas' refusals in the train loop's own calls, on a real TrainContext (no Ray, no group)."""
 
 import pytest
 import torch
@@ -10,12 +10,13 @@ from elastic.errors import ElasticError
 from elastic.mailbox import GenerationMailbox
 from elastic.pipelined_replica import concatenated
 from elastic.replicas import ReplicaShape
+from elastic.tensor_parallel import mlp_plan
 
 
-def _context(stages):
+def _context(stages, tensor_parallel=1):
     mailbox = GenerationMailbox(on_waiting=lambda: None, on_broken=lambda g: None, on_formed=lambda g, o: None)
     return TrainContext(DataConfig(global_batch_size=8, micro_batch_size=4, max_steps=1), mailbox, [], lambda r: None,
-                        False, strategy=Strategy(), shape=ReplicaShape(stages), slot=1)
+                        False, strategy=Strategy(), shape=ReplicaShape(stages, tensor_parallel), slot=1)
 
 
 def _layers():
@@ -64,3 +65,20 @@ def test_a_pipelined_run_over_a_dataset_whose_epochs_end_short_is_refused_when_i
     with pytest.raises(ElasticError, match=r"the dataset has 12 samples, so each epoch ends with a step of 4, short "
                                            r"of global_batch_size\(8\).*DataConfig\(drop_last=True\)"):
         next(_context(2).steps(dataset))
+
+
+def test_a_tensor_parallel_run_needs_a_plan_and_only_it_takes_one():
+    with pytest.raises(ElasticError, match=r"tensor_parallel\(2\) the model's layers are cut by a plan: call "
+                                           r"ctx.prepare_model\(model, tensor_parallel_plan=...\)"):
+        _context(1, 2).prepare_model(_layers())
+    with pytest.raises(ElasticError, match=r"takes a plan only in a tensor-parallel run"):
+        _context(1).prepare_model(_layers(), tensor_parallel_plan=mlp_plan("0", "2"))
+
+
+def test_a_tensor_parallel_workers_optimizer_is_built_over_the_given_model_before_any_generation():
+    ctx = _context(1, 2)
+    model = ctx.prepare_model(_layers(), tensor_parallel_plan=mlp_plan("0", "2"))
+    assert ctx.tensor_parallel_rank == 1 and ctx.pipeline_stage == 0
+    ctx.prepare_optimizer(torch.optim.AdamW(model.parameters()))  # re-pointed at the first generation's bind
+    with pytest.raises(ElasticError, match=r"runs once the first generation formed"):
+        model(torch.zeros(1, 4))

@@ -193,9 +193,39 @@ def pipeline_loop(config: dict) -> dict:
     return {"ledger": ledger.clone(), "stage": ctx.pipeline_stage, "losses": losses}
 
 
-def plain_reference(max_steps: int, global_batch: int = GLOBAL_BATCH) -> dict[str, torch.Tensor]:
-    """`pipeline_loop`'s model trained by one process on each step's whole global batch, in the
-    run's sample order (elastic's own loader at world size 1), with the same AdamW."""
+def tensor_parallel_loop(config: dict) -> dict:
+    """`pipeline_loop`'s task in a tensor-parallel run: `build_mlp`'s Linear pair cut Megatron's way
+    (colwise, then rowwise) across each replica's 2 workers, the ledger counted by tensor-parallel
+    rank 0 of each replica."""
+    from elastic.tensor_parallel import mlp_plan
+
+    ctx = elastic.get_context()
+    dataset = regression_data()
+    model = ctx.prepare_model(build_mlp(), tensor_parallel_plan=mlp_plan("0", "2"))
+    optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    ledger = torch.zeros(-(-config["max_steps"] // STEPS_PER_EPOCH), NUM_SAMPLES, dtype=torch.float64)
+    ctx.register_state("ledger", ledger)
+    for step in ctx.steps(dataset):
+        with step:
+            time.sleep(config.get("compute_s", 0.0))
+            counts = torch.zeros(NUM_SAMPLES, dtype=torch.float64)
+            for mb in step.micro_batches():
+                x, y = mb.data
+                if ctx.tensor_parallel_rank == 0:
+                    counts[mb.indices] += 1
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                mb.backward(loss)
+            dist.all_reduce(counts)  # before the optimizer's step, which averages the slices across replicas
+            optimizer.step()
+            optimizer.zero_grad()
+            ledger[step.cursor.epoch] += counts
+        hold_at_gate(config, step.index)
+    return {"ledger": ledger.clone()}
+
+
+def plain_reference(max_steps: int, global_batch: int = GLOBAL_BATCH, build=None) -> dict[str, torch.Tensor]:
+    """`pipeline_loop`'s model (or `build()`'s) trained by one process on each step's whole global
+    batch, in the run's sample order (elastic's own loader at world size 1), with the same AdamW."""
     from elastic.config import DataConfig
     from elastic.data import DataCursor
     from elastic.loader import Loader
@@ -203,7 +233,7 @@ def plain_reference(max_steps: int, global_batch: int = GLOBAL_BATCH) -> dict[st
     dataset = regression_data()
     loader = Loader(dataset, DataConfig(global_batch_size=global_batch, micro_batch_size=global_batch,
                                         max_steps=max_steps))
-    model = build_pipeline_mlp()
+    model = (build or build_pipeline_mlp)()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     cursor = DataCursor(seed=0)
     for _ in range(max_steps):

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import elastic
 from elastic.config import (
-    CheckpointConfig, DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_pipeline_fits,
+    CheckpointConfig, DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_replicas_fit,
     check_strategy_fits,
 )
 from elastic.demo.corpus import DEFAULT_MAX_BYTES, DEFAULT_SEQ_LEN, prepare_corpus
@@ -52,10 +52,14 @@ class DemoConfig(BaseModel):
     pipeline_stages: int = Field(1, gt=0, description=(
         "Workers per replica, each holding one pipeline stage of the LM (TinyLM.pipeline_layers()); above 1 a "
         "death takes out its replica, and min_workers and max_workers default to 1-2 replicas."))
+    tensor_parallel: int = Field(1, gt=0, description=(
+        "Workers per replica that cut each block of the LM between them (ModelConfig(attention='split') and its "
+        "tensor_parallel_plan()); above 1 a death takes out its replica, and min_workers and max_workers default "
+        "to 1-2 replicas."))
     min_workers: int = Field(DEFAULT_WORKERS[0], gt=0, description=(
-        "Fewest workers training continues with (with pipeline_stages, a multiple of it)."))
+        "Fewest workers training continues with (with replicas, a multiple of their size)."))
     max_workers: int = Field(DEFAULT_WORKERS[1], gt=0, description=(
-        "Most workers the run grows to (with pipeline_stages, a multiple of it)."))
+        "Most workers the run grows to (with replicas, a multiple of their size)."))
     steps: int = Field(300, gt=0, description="Optimizer steps in the run.")
     global_batch_size: int = Field(32, gt=0, description="Windows per optimizer step, across all workers.")
     micro_batch_size: int = Field(8, gt=0, description="Most windows a worker puts through one forward pass.")
@@ -71,36 +75,48 @@ class DemoConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _default_sizes(cls, values: Any) -> Any:
-        """Sizes not given (or None) default to DEFAULT_WORKERS, or pipelined to DEFAULT_REPLICAS whole replicas."""
+        """Sizes not given (or None) default to DEFAULT_WORKERS, or in replicas to DEFAULT_REPLICAS whole replicas."""
         if not isinstance(values, dict):
             return values
-        stages = values.get("pipeline_stages", 1)
-        pipelined = isinstance(stages, int) and stages > 1  # a bad value is the field validator's to report
-        defaults = [replicas * stages for replicas in DEFAULT_REPLICAS] if pipelined else DEFAULT_WORKERS
+        stages, tensor = values.get("pipeline_stages", 1), values.get("tensor_parallel", 1)
+        # A bad value is the field validator's to report.
+        size = stages * tensor if isinstance(stages, int) and isinstance(tensor, int) else 1
+        defaults = [replicas * size for replicas in DEFAULT_REPLICAS] if size > 1 else DEFAULT_WORKERS
         return {**values, **{name: default for name, default in zip(("min_workers", "max_workers"), defaults)
                              if values.get(name) is None}}
 
     @model_validator(mode="after")
     def _check(self) -> "DemoConfig":
         # Surface every cross-field problem now, in the driver, before Ray starts anything.
-        if self.pipeline_stages > 1:
-            self._check_pipeline()
+        if self.replica_size > 1:
+            self._check_replicas()
         scaling = self.scaling_config()
         check_fits(scaling, self.data_config())
         check_strategy_fits(self.strategy, self.run_config().checkpoint_config)
-        check_pipeline_fits(scaling, self.data_config(), self.strategy)
+        check_replicas_fit(scaling, self.data_config(), self.strategy)
         check_faults(self.faults, self.steps, self.max_workers)
         return self
 
-    def _check_pipeline(self) -> None:
-        """The demo's own checks of a pipelined run, named in its terms (worker counts, the LM's layers)."""
-        stages = self.pipeline_stages
+    @property
+    def replica_size(self) -> int:
+        return self.pipeline_stages * self.tensor_parallel
+
+    def _check_replicas(self) -> None:
+        """The demo's own checks of a run of replicas, named in its terms (worker counts, the LM's layers and
+        heads)."""
+        stages, size = self.pipeline_stages, self.replica_size
         for bound in ("min_workers", "max_workers"):
             workers = getattr(self, bound)
-            if workers % stages:
-                raise ValueError(f"{bound}({workers}) is not a whole number of replicas of pipeline_stages({stages}) "
-                                 f"workers: give a multiple of {stages}, or leave it out for "
-                                 f"{DEFAULT_REPLICAS[0]}-{DEFAULT_REPLICAS[1]} replicas")
+            if workers % size:
+                raise ValueError(f"{bound}({workers}) is not a whole number of replicas of {size} workers: give a "
+                                 f"multiple of {size}, or leave it out for {DEFAULT_REPLICAS[0]}-"
+                                 f"{DEFAULT_REPLICAS[1]} replicas")
+        heads = ModelConfig(seq_len=self.seq_len).n_heads
+        if heads % self.tensor_parallel:
+            raise ValueError(f"tensor_parallel({self.tensor_parallel}) does not divide the LM's {heads} attention "
+                             f"heads, and each worker computes whole heads: use a divisor of {heads}")
+        if stages == 1:
+            return
         schedule = self.strategy.pipeline_schedule
         layers = ModelConfig(seq_len=self.seq_len).n_layers + 2
         parts = stages * VIRTUAL_STAGES[schedule]
@@ -112,11 +128,11 @@ class DemoConfig(BaseModel):
     @property
     def can_heal(self) -> bool:
         """Whether a death leaves a replica training: more than one replica at most."""
-        return self.max_workers > self.pipeline_stages
+        return self.max_workers > self.replica_size
 
     def scaling_config(self) -> ScalingConfig:
         return ScalingConfig(min_workers=self.min_workers, max_workers=self.max_workers,
-                             pipeline_stages=self.pipeline_stages)
+                             pipeline_stages=self.pipeline_stages, tensor_parallel=self.tensor_parallel)
 
     def data_config(self) -> DataConfig:
         # Pipelined replicas cut their shares into equal micro-batches: an epoch's short last step is dropped.
@@ -144,7 +160,9 @@ def train_loop(config: dict[str, Any]) -> None:
     # worker on another node builds the identical corpus locally instead of needing shared disk.
     corpus = prepare_corpus(demo.data_dir, demo.seq_len, demo.max_bytes)
     dataset = elastic.ParquetDataset(str(corpus))
-    model = ctx.prepare_model(TinyLM(ModelConfig(seq_len=demo.seq_len), seed=demo.seed))
+    # Tensor parallelism cuts attention by heads, which needs q, k and v as Linears of their own: the split blocks.
+    attention = "split" if demo.tensor_parallel > 1 else ModelConfig.model_fields["attention"].default
+    model = ctx.prepare_model(TinyLM(ModelConfig(seq_len=demo.seq_len, attention=attention), seed=demo.seed))
     optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=demo.lr))
     # Registered state: a newcomer takes the live schedule's position instead of starting at step 0.
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=demo.steps, eta_min=demo.lr / 10)
