@@ -75,7 +75,7 @@ class ScalingConfig(_Frozen):
     def _in_replicas(cls, values: Any, handler: Any) -> "ScalingConfig":
         """min_workers and max_workers from min_replicas and max_replicas, once every field is valid."""
         config = handler(values)
-        size, words = config.replica_size, _replica_words(config.pipeline_stages, config.tensor_parallel)
+        size, words = config.replica_size, replica_words(config.pipeline_stages, config.tensor_parallel)
         counted = {}
         for bound in ("min", "max"):
             replicas, field = getattr(config, f"{bound}_replicas"), f"{bound}_workers"
@@ -140,7 +140,7 @@ class ScalingConfig(_Frozen):
         return "nccl" if self.use_gpu else "gloo"
 
 
-def _replica_words(stages: int, tensor_parallel: int) -> str:
+def replica_words(stages: int, tensor_parallel: int) -> str:
     """A replica's size as the user gave it, for messages."""
     if tensor_parallel == 1:
         return f"pipeline_stages({stages})"
@@ -458,7 +458,7 @@ def check_replicas_fit(scaling: ScalingConfig, data: DataConfig, strategy: Strat
     stages, m = scaling.pipeline_stages, strategy.pipeline_microbatches
     if scaling.replica_size == 1:
         return
-    words = _replica_words(stages, scaling.tensor_parallel)
+    words = replica_words(stages, scaling.tensor_parallel)
     if stages > 1 and scaling.tensor_parallel > 1:
         raise ValueError(f"{words} is not built in runs yet: a replica is pipeline stages or tensor-parallel ranks, "
                          "not both; see docs/parallelism.md")

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import elastic
 from elastic.config import (
-    CheckpointConfig, DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_replicas_fit,
+    CheckpointConfig, DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_replicas_fit, replica_words,
     check_strategy_fits,
 )
 from elastic.demo.corpus import DEFAULT_MAX_BYTES, DEFAULT_SEQ_LEN, prepare_corpus
@@ -108,9 +108,9 @@ class DemoConfig(BaseModel):
         for bound in ("min_workers", "max_workers"):
             workers = getattr(self, bound)
             if workers % size:
-                raise ValueError(f"{bound}({workers}) is not a whole number of replicas of {size} workers: give a "
-                                 f"multiple of {size}, or leave it out for {DEFAULT_REPLICAS[0]}-"
-                                 f"{DEFAULT_REPLICAS[1]} replicas")
+                raise ValueError(f"{bound}({workers}) is not a whole number of replicas of "
+                                 f"{replica_words(stages, self.tensor_parallel)} workers: give a multiple of {size}, "
+                                 f"or leave it out for {DEFAULT_REPLICAS[0]}-{DEFAULT_REPLICAS[1]} replicas")
         heads = ModelConfig(seq_len=self.seq_len).n_heads
         if heads % self.tensor_parallel:
             raise ValueError(f"tensor_parallel({self.tensor_parallel}) does not divide the LM's {heads} attention "
