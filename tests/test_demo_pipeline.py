@@ -92,6 +92,7 @@ def test_two_stages_train_the_lm_from_token_ids_as_one_process_would():
     assert max(r["grad"] for r in results.values()) < 1e-12
 
 
+@pytest.mark.soak  # the same run as tests/test_pipeline_runs.py's, on the demo's LM: 25 s of CI
 def test_the_pipelined_demo_trains_two_replicas_of_two_stages_on_ray(local_ray, tmp_path):
     config = DemoConfig(pipeline_stages=2, min_workers=4, max_workers=4, steps=4, seq_len=TINY["seq_len"],
                         max_bytes=20_000, data_dir=str(tmp_path / "corpus"), storage_path=str(tmp_path),
