@@ -493,7 +493,12 @@ def check_replicas_fit(scaling: ScalingConfig, data: DataConfig, strategy: Strat
 
 def check_fits(scaling: ScalingConfig, data: DataConfig) -> None:
     """Cross-config checks that need both models; raises ValueError with the numbers."""
-    if data.global_batch_size < scaling.max_workers:
+    if scaling.replica_size > 1:
+        most = scaling.replica_range[1]
+        if data.global_batch_size < most:
+            raise ValueError(f"global_batch_size({data.global_batch_size}) < max_replicas({most}); every replica "
+                             "needs at least one sample per step")
+    elif data.global_batch_size < scaling.max_workers:
         raise ValueError(
             f"global_batch_size({data.global_batch_size}) < max_workers({scaling.max_workers}); "
             "every rank needs at least one sample per step"

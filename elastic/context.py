@@ -71,8 +71,10 @@ from elastic.tensor_parallel_replica import LocalSlices, TensorParallelReplica
 AGREEMENT_EVERY_STEPS = 8
 
 _current: "TrainContext | None" = None
-PIPELINING = "torch.distributed.pipelining"
-PIPELINE_WAITS = ("_wait_batch_p2p",)  # torch's schedules wait on a batch of sends and receives here
+# torch.distributed modules whose frames are mostly compute (a pipeline schedule running a stage's
+# layers, DTensor dispatching a local op), and of their functions the ones that wait on peers.
+COMPUTING = ("torch.distributed.pipelining", "torch.distributed.tensor")
+WAITS = ("_wait_batch_p2p",)  # torch's schedules wait on a batch of sends and receives here
 
 
 def get_context() -> "TrainContext":
@@ -293,7 +295,9 @@ class TrainContext:
         if self._tensor is not None:
             self._tensor.tp.adopt(optimizer)  # each generation's bind carries it to the new module
             self._objects["optimizer"] = LocalSlices(optimizer)
-            optimizer.register_step_pre_hook(lambda *_: self._average_slices())
+            # A step whose last micro-batch was not backpropagated through mb.backward is refused
+            # by _check_weighted; this averages one whose loop did its own backward after it.
+            optimizer.register_step_pre_hook(lambda *_: self._average_slices(self._current_step))
         optimizer.register_step_post_hook(lambda *_: self._commit())
         return optimizer
 
@@ -460,6 +464,8 @@ class TrainContext:
                 indices=micro.indices,
                 weight=data_math.gradient_weight(micro.samples, peers, step.samples),
                 on_sync=(lambda: self._enter_sync(step)) if i == len(loaded) - 1 else None,
+                synced=(lambda: self._average_slices(step)) if self._tensor is not None and i == len(loaded) - 1
+                else None,
                 run_backward=self.techniques.precision.backward,
             )
             last = i == len(loaded) - 1
@@ -513,9 +519,14 @@ class TrainContext:
         self._launched += 1
         future.wait()
 
-    def _average_slices(self) -> None:
-        """Before a tensor-parallel run's optimizer steps: each local gradient averaged with the same
-        tensor-parallel rank of every replica (the micro-batches' weights make the mean the global batch's)."""
+    def _average_slices(self, step: Step | None) -> None:
+        """Once a tensor-parallel step's last micro-batch is backpropagated, as DDP averages in its
+        backward (so clipping and logging see the global batch's gradient): each local gradient
+        averaged with the same tensor-parallel rank of every replica (the micro-batches' weights make
+        the mean the global batch's). Once per step."""
+        if step is None or step.averaged:
+            return
+        step.averaged = True
         grads = self._tensor.gradients()
         for dtype in sorted({g.dtype for g in grads}, key=str):
             same = [g for g in grads if g.dtype == dtype]
@@ -721,6 +732,8 @@ class TrainContext:
         self._last_sync, progress = sync_state(self._objects, held.progress, self.device, holds_state, data_group)
         if self.in_replicas:
             _check_stages_agree(progress["step"], self.device)
+        if self._tensor is not None:
+            self._share_random_state(replica_group)
             source = dist.get_global_rank(data_group, self._last_sync.source_rank)
             self._last_sync = dataclasses.replace(self._last_sync, source_rank=source)
         self._holds_state = True
@@ -748,6 +761,13 @@ class TrainContext:
                                "replica's workers in order; this is a bug in elastic")
         mesh = self.shape.mesh(spec.world_size, self.device.type)
         return mesh.get_group("dp"), mesh.get_group("pp" if self.pipelined else "tp")
+
+    def _share_random_state(self, group: dist.ProcessGroup) -> None:
+        """Every worker of a tensor-parallel replica computes the model's whole (unplanned) parts alike, so
+        they draw the same random numbers (dropout, say): the replica's rank 0 gives them its streams."""
+        box = [self._random.state_dict() if dist.get_rank(group) == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        self._random.load_state_dict(box[0])
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Load a durable checkpoint into this rank; the sync then spreads it to the others."""
@@ -824,9 +844,9 @@ class TrainContext:
         called = None
         while frame is not None:
             module = frame.f_globals.get("__name__", "")
-            # A pipeline schedule runs the stage's compute too: of its own frames, only its wait
-            # on the stages' sends and receives is a wait in a collective.
-            waits = not module.startswith(PIPELINING) or frame.f_code.co_name in PIPELINE_WAITS
+            # A pipeline schedule and DTensor run the model's compute too: of their own frames, only
+            # a wait on peers counts (DTensor's collectives show in _functional_collectives' frames).
+            waits = not module.startswith(COMPUTING) or frame.f_code.co_name in WAITS
             if module.startswith("torch.distributed") and waits:
                 called = called or frame.f_code.co_name
             elif called is not None:
@@ -850,16 +870,16 @@ class TrainContext:
 
 
 def _check_stages_agree(step: int, device: torch.device) -> None:
-    """Every stage of a pipelined run must resume at the same step: each synced with its own
+    """Every worker of a run of replicas must resume at the same step: each synced with its own
     data-parallel group, and a death during the agreement that ends a step (see
-    `PipelinedReplica.step`) can leave one stage a step ahead of another, which no live process
-    can undo. The run then restarts from its latest checkpoint."""
+    `PipelinedReplica.step`) can leave one stage (or tensor-parallel rank) a step ahead of
+    another, which no live process can undo. The run then restarts from its latest checkpoint."""
     steps = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(steps, torch.tensor([step], dtype=torch.int64, device=device))
     found = sorted({int(s.item()) for s in steps})
     if len(found) > 1:
-        raise StateLostError(f"the pipeline stages hold the state of different steps ({found}): a death ended a step "
-                             "on some stages and not on others")
+        raise StateLostError(f"the replicas' workers hold the state of different steps ({found}): a death ended a "
+                             "step on some of them and not on others")
 
 
 def _allreduce_hook(ctx, bucket):

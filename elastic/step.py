@@ -29,6 +29,7 @@ class MicroBatch:
     indices: torch.Tensor
     weight: float
     on_sync: Callable[[], None] | None = None  # called before the backward that syncs gradients
+    synced: Callable[[], None] | None = None  # called after it: a tensor-parallel run averages across replicas then
     run_backward: Callable[[torch.Tensor], None] = torch.Tensor.backward  # fp16 scales the loss first
     step: "Step | None" = None  # counts the micro-batches backpropagated here, which the optimizer's step checks
     weighted: bool = False  # went through backward() at least once
@@ -41,6 +42,8 @@ class MicroBatch:
             self.step.weighted += 1
         self.weighted = True
         self.run_backward(loss * self.weight)
+        if self.synced is not None:
+            self.synced()
 
 
 class Step:
@@ -62,6 +65,7 @@ class Step:
         # loss.backward() leaves its micro-batch unweighted, which the optimizer's step refuses.
         self.given = 0
         self.weighted = 0
+        self.averaged = False  # a tensor-parallel run's gradients were averaged across the replicas
 
     def micro_batches(self) -> Iterator[MicroBatch]:
         """This rank's share of the global batch, in micro-batches; gradients sync on the last one."""

@@ -181,7 +181,8 @@ class TensorParallelModel:
         foreign = sum(id(p) not in mine for group in optimizer.param_groups for p in group["params"])
         if foreign:
             raise ElasticError(f"The optimizer steps {foreign} parameters that are not tp.module's: build it over "
-                               f"tp.module.parameters() after bind(group)")
+                               f"tp.module.parameters() after bind(group) (or over the given model's before the first "
+                               f"bind)")
         _check_kernels(optimizer)
         self._optimizers.append(optimizer)
         return optimizer

@@ -40,6 +40,7 @@ class TensorParallelReplica:
     def __init__(self, model: nn.Module, plan: Plan, size: int) -> None:
         self.tp = TensorParallelModel(model, plan, size)
         self._given: nn.Module | None = model  # what the optimizer is built over, until the first bind
+        self._training = model.training  # each bind builds a new module: the mode is carried over
 
     @property
     def module(self) -> nn.Module:
@@ -58,9 +59,18 @@ class TensorParallelReplica:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters()
 
+    def train(self, mode: bool = True) -> "TensorParallelReplica":
+        self._training = mode
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "TensorParallelReplica":
+        return self.train(False)
+
     def bind(self, group: Any) -> None:
         self.tp.bind(group)
         self._given = None
+        self.tp.module.train(self._training)
 
     def state_dict(self) -> dict[str, Any]:
         """This worker's local slices, and the dimension each is cut along (WHOLE if not cut)."""

@@ -127,3 +127,11 @@ def test_more_pipeline_stages_than_the_lm_has_layers_are_rejected(runs, capsys):
 
 def test_a_technique_pipelined_replicas_do_not_run_is_rejected(runs, capsys):
     assert "is not built" in usage_error(["demo", "--pipeline-stages", "2", "--precision", "bf16"], capsys)
+
+
+def test_tensor_parallel_that_does_not_divide_the_heads_or_a_partial_replica_is_rejected(runs, capsys):
+    err = usage_error(["demo", "--tensor-parallel", "3"], capsys)
+    assert "tensor_parallel(3) does not divide the LM's 4 attention heads" in err
+    err = usage_error(["demo", "--tensor-parallel", "2", "--max-workers", "3"], capsys)
+    assert "max_workers(3) is not a whole number of replicas of tensor_parallel(2) workers: give a multiple of 2" in err
+    assert runs == []

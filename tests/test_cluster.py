@@ -54,12 +54,15 @@ def test_training_continues_on_the_rest_when_a_node_with_half_the_workers_is_rem
     cluster, tmp_path
 ):
     cluster, (node_a, node_b) = cluster
+    gate = tmp_path / "regrown"
+    steps = 10 * STEPS_PER_EPOCH
     trainer = ElasticTrainer(
         regression_loop,
-        train_loop_config={"max_steps": MAX_STEPS, "sleep_s": 0.05},
+        # Held at step 40 until the new node's workers started, instead of a run long enough for them.
+        train_loop_config={"max_steps": steps, "sleep_s": 0.05, "gate": (40, str(gate))},
         scaling_config=ScalingConfig(min_workers=2, max_workers=4),
         run_config=RunConfig(name="node-loss", storage_path=str(tmp_path)),
-        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=MAX_STEPS),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=steps),
         show_progress=False,
     )
     outcome = {}
@@ -70,10 +73,13 @@ def test_training_continues_on_the_rest_when_a_node_with_half_the_workers_is_rem
     cluster.remove_node(node_b)
     _wait_for("node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 2, "the run healed to 2 workers")
     node_c = cluster.add_node(num_cpus=2)
+    while len([e for e in read_events(RunStorage(str(tmp_path), "node-loss")) if e["type"] == "worker_started"]) < 6:
+        time.sleep(POLL_S)
+    gate.touch()
     fit.join()
 
     result = outcome["result"]
-    assert result.step == MAX_STEPS
+    assert result.step == steps
     formed = result.events_of("generation_formed")
     healed = next(e for e in formed if e["reason"].startswith("heal") and e["world_size"] == 2)
     full = [e for e in formed[: formed.index(healed)] if e["world_size"] == 4][-1]

@@ -77,7 +77,14 @@ class Head:
                 raise RuntimeError(f"ray start exited with {self.process.returncode}:\n{self.log_path.read_text()}")
             try:
                 self.jobs = JobSubmissionClient(self.address, headers={"Authorization": f"Bearer {self.token}"})
+                # The dashboard answers before its job agent runs ("No available agent to submit
+                # job"): a job of no work is accepted only once submissions are.
+                self.jobs.submit_job(entrypoint="true")
                 return
+            except RuntimeError as exc:
+                if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
             # Refused connections and 5xx answers (requests' errors are OSErrors) while it starts.
             except OSError:
                 if time.monotonic() > deadline:

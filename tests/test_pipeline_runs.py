@@ -19,8 +19,8 @@ import torch
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy
 from elastic.checkpoint import Checkpoint, CheckpointError
 from elastic.errors import ElasticError
-from workloads import (GLOBAL_BATCH, STEPS_PER_EPOCH, OutsideKiller, build_mlp, fit_held, pipeline_loop,
-                       plain_reference, tensor_parallel_loop, workers_started)
+from workloads import (GLOBAL_BATCH, STEPS_PER_EPOCH, OutsideKiller, build_tensor_parallel_mlp, fit_held,
+                       pipeline_loop, plain_reference, tensor_parallel_loop, workers_started)
 
 MAX_STEPS = 24
 SLOW_STEP_S = 0.25
@@ -33,7 +33,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def mlp_reference():
-    return plain_reference(MAX_STEPS, build=build_mlp)
+    return plain_reference(MAX_STEPS, build=build_tensor_parallel_mlp)
 
 
 def _fit(tmp_path, name, faults=(), compute_s=0.0, resume_from=None, max_replicas=2, stop_at=MAX_STEPS,
@@ -117,7 +117,9 @@ def test_a_tensor_parallel_workers_death_takes_out_its_replica_the_other_heals_a
     _assert_exactly_once(result.value["ledger"])
     checkpoint = Checkpoint.from_path(result.checkpoint.path)
     assert checkpoint.step == MAX_STEPS and checkpoint.parts == ["tp-0", "tp-1"]
-    assert checkpoint.load_state("tp-1")["model"]["tensors"]["0.weight"].shape == (16, 16)  # half of 32 rows
+    slices = [checkpoint.load_state(part)["model"]["tensors"] for part in checkpoint.parts]
+    assert slices[1]["0.weight"].shape == (16, 16) and slices[1]["2.weight"].shape == (16, 16)  # halves of 32
+    assert torch.equal(slices[0]["4.weight"], slices[1]["4.weight"]), "the whole head drifted apart across tp ranks"
     assert _max_diff(checkpoint.model_state_dict(), mlp_reference) < 1e-9
 
 

@@ -211,6 +211,7 @@ def test_collectives_give_the_same_answers_at_world_sizes_1_2_and_3_and_a_death_
 POWERSGD = Strategy(compression="powersgd:rank=2,start_iter=3")
 
 
+@pytest.mark.soak  # the suite's time on 2 cores: CI has PowerSGD through a kill (below)
 def test_powersgd_through_a_planned_grow_equals_a_fixed_size_run(local_ray, tmp_path):
     # P and Q are scale-free in the world size and the error buffers are averaged, so a
     # grow changes nothing; regression_loop checks that the joiner's iter, generator, Q and
@@ -321,12 +322,13 @@ def test_a_checkpoint_without_optimizer_shards_does_not_resume_a_zero_run(local_
 SLOW_STEP_S = 0.25  # a sleep inside each step, standing for seconds of compute (as in the chaos matrix)
 
 
-# The DiLoCo, EASGD and ZeRO-3 cases run under `-m soak` (the suite's time on 2 cores); their
-# heals through Fault kills are in CI (the DiLoCo and EASGD rollbacks, the ZeRO-3 equivalence).
+# Every case runs under `-m soak` (the suite's time on 2 cores). CI has their heals through Fault
+# kills (the DiLoCo and EASGD rollbacks, the ZeRO-1 buddy and ZeRO-3 equivalences), and slow-step
+# outside SIGKILLs through the chaos matrix and tests/test_pipeline_runs.py.
 @pytest.mark.parametrize("strategy", [
     pytest.param(Strategy(sync="diloco:every=8"), marks=pytest.mark.soak),
     pytest.param(Strategy(sync="easgd:every=8"), marks=pytest.mark.soak),
-    ZERO,
+    pytest.param(ZERO, marks=pytest.mark.soak),
     pytest.param(Strategy(zero=3), marks=pytest.mark.soak),
 ], ids=["diloco", "easgd", "zero", "zero3"])
 def test_slow_steps_heal_a_sigkill_sent_from_outside_at_a_moment_inside_a_step(local_ray, tmp_path, ddp_reference,

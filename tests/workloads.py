@@ -193,15 +193,22 @@ def pipeline_loop(config: dict) -> dict:
     return {"ledger": ledger.clone(), "stage": ctx.pipeline_stage, "losses": losses}
 
 
+def build_tensor_parallel_mlp(dtype: torch.dtype = torch.float64) -> torch.nn.Sequential:
+    """A Linear pair that tensor parallelism cuts (colwise, then rowwise), and a plain head every rank holds whole."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 1)).to(dtype)
+
+
 def tensor_parallel_loop(config: dict) -> dict:
-    """`pipeline_loop`'s task in a tensor-parallel run: `build_mlp`'s Linear pair cut Megatron's way
-    (colwise, then rowwise) across each replica's 2 workers, the ledger counted by tensor-parallel
-    rank 0 of each replica."""
+    """`pipeline_loop`'s task in a tensor-parallel run: `build_tensor_parallel_mlp`'s Linear pair cut
+    Megatron's way across each replica's 2 workers, the head whole on both, the ledger counted by
+    tensor-parallel rank 0 of each replica."""
     from elastic.tensor_parallel import mlp_plan
 
     ctx = elastic.get_context()
     dataset = regression_data()
-    model = ctx.prepare_model(build_mlp(), tensor_parallel_plan=mlp_plan("0", "2"))
+    model = ctx.prepare_model(build_tensor_parallel_mlp(), tensor_parallel_plan=mlp_plan("0", "2"))
     optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
     ledger = torch.zeros(-(-config["max_steps"] // STEPS_PER_EPOCH), NUM_SAMPLES, dtype=torch.float64)
     ctx.register_state("ledger", ledger)
