@@ -102,6 +102,12 @@ QUOTED_KEYS = {
         "pipeline_bubble_ratio_vs_theory.gpipe.m8",
         "pipeline_bubble_ratio_vs_theory.1f1b.m4",
         "pipeline_bubble_ratio_vs_theory.1f1b.m8",
+        "lm_samples_s.dp4",
+        "lm_samples_s.dp2_pp2",
+        "lm_samples_s_ratio_dp2_pp2_vs_dp4",
+        "replica_heal_s",
+        "replica_join_s",
+        "replica_join_sync_s",
     ),
     "scale": (
         "scaling.2.recovery_s",
