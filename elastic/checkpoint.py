@@ -70,9 +70,12 @@ def shard_name(rank: int, world_size: int) -> str:
 
 def part_name(pipeline_stages: int, tensor_parallel: int, slot: int) -> str:
     """The part a replica's worker at `slot` writes: its stage's, its tensor-parallel rank's, or "" (a plain run)."""
+    stage, rank = divmod(slot, tensor_parallel)
+    if pipeline_stages > 1 and tensor_parallel > 1:
+        return f"stage-{stage}-tp-{rank}"
     if pipeline_stages > 1:
-        return f"stage-{slot}"
-    return f"tp-{slot}" if tensor_parallel > 1 else ""
+        return f"stage-{stage}"
+    return f"tp-{rank}" if tensor_parallel > 1 else ""
 
 
 def part_names(pipeline_stages: int, tensor_parallel: int) -> list[str]:
@@ -240,7 +243,7 @@ class Checkpoint:
         plain run."""
         return sorted({e["name"].split("/")[0] for e in self.manifest["files"]
                        if e["name"].split("-")[0] in PART_KINDS and "/shard-" in e["name"]},
-                      key=lambda part: int(part.rpartition("-")[2]))
+                      key=lambda part: [int(n) for n in part.split("-")[1::2]])
 
     def load_state(self, part: str = "") -> dict[str, Any]:
         """{"model": ..., "optimizer": ..., <other registered state>..., "progress": {...}}: of the
@@ -263,14 +266,18 @@ class Checkpoint:
     def model_state_dict(self) -> dict[str, Any]:
         """The whole model's state dict: a pipelined run's stages' layers joined under their names, a
         tensor-parallel run's slices joined along the dimensions they were cut."""
-        models = [self.load_state(part)["model"] for part in self.parts or [""]]
-        if self.parts and self.parts[0].startswith("tp-"):
-            from elastic.tensor_parallel_replica import join_slices  # DTensor's import, only for these
-
-            return join_slices(models)
+        stages: dict[str, list[dict[str, Any]]] = {}  # each stage's part, or its tensor-parallel ranks' parts
+        for part in self.parts or [""]:
+            stages.setdefault(part.partition("-tp-")[0] if part.startswith("stage") else "", []).append(
+                self.load_state(part)["model"])
         merged: dict[str, Any] = {}
-        for model in models:
-            merged.update(model)
+        for models in stages.values():
+            if "tensors" in models[0] and "dims" in models[0]:
+                from elastic.tensor_parallel_replica import join_slices  # DTensor's import, only for these
+
+                merged.update(join_slices(models))
+            else:
+                merged.update(models[0])
         return merged
 
     def _read(self, entry: dict[str, Any]) -> bytes:

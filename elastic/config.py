@@ -459,9 +459,6 @@ def check_replicas_fit(scaling: ScalingConfig, data: DataConfig, strategy: Strat
     if scaling.replica_size == 1:
         return
     words = replica_words(stages, scaling.tensor_parallel)
-    if stages > 1 and scaling.tensor_parallel > 1:
-        raise ValueError(f"{words} is not built in runs yet: a replica is pipeline stages or tensor-parallel ranks, "
-                         "not both; see docs/parallelism.md")
     if scaling.use_gpu:
         raise ValueError(f"{words} with use_gpu=True is not built: a survivor blocked in an NCCL collective of its "
                          "replica or its data-parallel group could not be aborted when a peer dies; replicas train on "

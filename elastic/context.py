@@ -241,7 +241,7 @@ class TrainContext:
             raise ElasticError("prepare_model(model, tensor_parallel_plan=...) takes a plan only in a tensor-parallel "
                                "run (ScalingConfig(tensor_parallel > 1))")
         if self.pipelined:
-            return self._prepare_pipeline(model, loss_fn)
+            return self._prepare_pipeline(model, loss_fn, tensor_parallel_plan)
         if self.shape.tensor_parallel > 1:
             return self._prepare_tensor_parallel(model, tensor_parallel_plan)
         if loss_fn is not None:
@@ -256,26 +256,34 @@ class TrainContext:
             self.techniques.sharded.on_rebuilt = lambda module: setattr(self._model, "module", module)
         return self._model
 
-    def _prepare_pipeline(self, model: torch.nn.Module, loss_fn: Callable | None) -> PipelinedReplica:
+    def _prepare_pipeline(self, model: torch.nn.Module, loss_fn: Callable | None, plan: Plan | None) -> PipelinedReplica:
         if loss_fn is None:
             raise ElasticError(f"with pipeline_stages({self.shape.pipeline_stages}) the last stage computes the loss: "
                                "call ctx.prepare_model(model, loss_fn=...), e.g. loss_fn=nn.functional.mse_loss, "
                                "a function of (outputs, targets) returning their mean loss")
-        self._pipeline = PipelinedReplica(model, loss_fn, stages=self.shape.pipeline_stages, stage=self._slot,
-                                          microbatches=self.strategy.pipeline_microbatches,
-                                          schedule=self.strategy.pipeline_schedule)
+        if self.shape.tensor_parallel > 1:
+            plan = self._plan_of(model, plan)
+        self._pipeline = PipelinedReplica(model, loss_fn, stages=self.shape.pipeline_stages,
+                                          stage=self.pipeline_stage, microbatches=self.strategy.pipeline_microbatches,
+                                          schedule=self.strategy.pipeline_schedule,
+                                          tensor_parallel=self.shape.tensor_parallel, plan=plan)
         self._pipeline.module.to(self.device)  # this stage only: the others' layers are dropped
+        self._tensor = self._pipeline.tensor  # its slices, when its stage is tensor parallel
         self._objects["model"] = self._pipeline
         return self._pipeline
 
+    def _plan_of(self, model: torch.nn.Module, plan: Plan | None) -> Plan:
+        if plan is not None:
+            return plan
+        if not callable(getattr(model, "tensor_parallel_plan", None)):
+            raise ElasticError(
+                f"with tensor_parallel({self.shape.tensor_parallel}) the model's layers are cut by a plan: call "
+                "ctx.prepare_model(model, tensor_parallel_plan=...), e.g. elastic.tensor_parallel.mlp_plan("
+                "'0', '2') for a Sequential's Linear pair, or give the model a tensor_parallel_plan() method")
+        return model.tensor_parallel_plan()
+
     def _prepare_tensor_parallel(self, model: torch.nn.Module, plan: Plan | None) -> TensorParallelReplica:
-        if plan is None:
-            if not callable(getattr(model, "tensor_parallel_plan", None)):
-                raise ElasticError(
-                    f"with tensor_parallel({self.shape.tensor_parallel}) the model's layers are cut by a plan: call "
-                    "ctx.prepare_model(model, tensor_parallel_plan=...), e.g. elastic.tensor_parallel.mlp_plan("
-                    "'0', '2') for a Sequential's Linear pair, or give the model a tensor_parallel_plan() method")
-            plan = model.tensor_parallel_plan()
+        plan = self._plan_of(model, plan)
         model.to(self.device)
         self._tensor = TensorParallelReplica(model, plan, self.shape.tensor_parallel)
         self._objects["model"] = self._tensor
@@ -295,9 +303,10 @@ class TrainContext:
         if self._tensor is not None:
             self._tensor.tp.adopt(optimizer)  # each generation's bind carries it to the new module
             self._objects["optimizer"] = LocalSlices(optimizer)
-            # A step whose last micro-batch was not backpropagated through mb.backward is refused
-            # by _check_weighted; this averages one whose loop did its own backward after it.
-            optimizer.register_step_pre_hook(lambda *_: self._average_slices(self._current_step))
+            if not self.pipelined:  # a pipelined stage averages in model.step
+                # A step whose last micro-batch was not backpropagated through mb.backward is refused
+                # by _check_weighted; this averages one whose loop did its own backward after it.
+                optimizer.register_step_pre_hook(lambda *_: self._average_slices(self._current_step))
         optimizer.register_step_post_hook(lambda *_: self._commit())
         return optimizer
 
@@ -705,13 +714,14 @@ class TrainContext:
         with self._group_lock:
             self._group = (spec.generation, dist.group.WORLD)
         abortable = spec.backend == "gloo" and spec.world_size >= ABORTABLE_FROM_WORLD_SIZE
-        data_group = replica_group = None
+        groups: dict[str, dist.ProcessGroup] = {}
         if self.in_replicas:
-            data_group, replica_group = self._replica_groups(spec)
+            groups = self._replica_groups(spec)
             abortable = spec.backend == "gloo"
+        data_group = groups.get("dp")
         if self._tensor is not None:
             # Before any state moves: the state is this generation's local slices.
-            self._tensor.bind(replica_group)
+            self._tensor.bind(groups["tp"])
         self._data_group = data_group
         self._gradient_all_reduce = GradientAllReduce(spec.generation, abortable)
         connected = time.perf_counter()
@@ -733,7 +743,7 @@ class TrainContext:
         if self.in_replicas:
             _check_stages_agree(progress["step"], self.device)
         if self._tensor is not None:
-            self._share_random_state(replica_group)
+            self._share_random_state(groups["tp"])
             source = dist.get_global_rank(data_group, self._last_sync.source_rank)
             self._last_sync = dataclasses.replace(self._last_sync, source_rank=source)
         self._holds_state = True
@@ -744,23 +754,23 @@ class TrainContext:
         if self._model is not None:
             self._model.ddp = self._wrap(self._model.module)
         if self._pipeline is not None:
-            self._pipeline.bind(replica_group, self._average_over_replicas, self._all_averaged)
+            self._pipeline.bind(groups["pp"], self._average_over_replicas, self._all_averaged)
         # The hang check compares these across the members of one generation: count afresh.
         self._entered_sync = self._launched = 0
         done = time.perf_counter()
         return {"leave_s": started - left, "barrier_s": arrived - started, "connect_s": connected - arrived,
                 "sync_s": done - connected}
 
-    def _replica_groups(self, spec: GenerationSpec) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-        """This generation's (data-parallel, within-replica) groups of this worker, from the replicas' mesh: the
-        replica's pipeline group, or its tensor-parallel group."""
+    def _replica_groups(self, spec: GenerationSpec) -> dict[str, dist.ProcessGroup]:
+        """This generation's groups of this worker, by the replicas' mesh dims: "dp" (the same place in every
+        replica), and "pp" (its replica's pipeline) and "tp" (its stage's tensor-parallel group) where present."""
         self._position = self.shape.position(spec.rank)
         if (self._position.stage, self._position.tensor) != (self.pipeline_stage, self.tensor_parallel_rank):
             raise ElasticError(f"rank {spec.rank} of generation {spec.generation} is at {self._position} of its "
                                f"replica, but this worker holds slot {self._slot}: the controller must keep each "
                                "replica's workers in order; this is a bug in elastic")
         mesh = self.shape.mesh(spec.world_size, self.device.type)
-        return mesh.get_group("dp"), mesh.get_group("pp" if self.pipelined else "tp")
+        return {dim: mesh.get_group(dim) for dim in mesh.mesh_dim_names}
 
     def _share_random_state(self, group: dist.ProcessGroup) -> None:
         """Every worker of a tensor-parallel replica computes the model's whole (unplanned) parts alike, so

@@ -175,6 +175,14 @@ class PipelinedModel:
         self._layers = None
         self.stage_rank = rank
 
+    def replace_module(self, module: nn.Module) -> None:
+        """Run `module`'s layers, named as this stage's, in place of the ones it holds: a tensor-parallel stage's
+        module is rebuilt at every bind (elastic.tensor_parallel). Call `bind` after."""
+        self._parts = {index: nn.Sequential(OrderedDict((name, getattr(module, name)) for name, _ in
+                                                        part.named_children()))
+                       for index, part in self._parts.items()}
+        self._module = module
+
     def _check_batch(self, name: str, batch: torch.Tensor) -> None:
         rows = batch.shape[0] if batch.dim() else 0
         if rows == 0 or rows % self.microbatches:

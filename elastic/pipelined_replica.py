@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ from torch import nn
 
 from elastic.errors import ElasticError
 from elastic.pipeline import PipelinedModel
+from elastic.tensor_parallel import Plan
+from elastic.tensor_parallel_replica import TensorParallelReplica
 
 
 @dataclass
@@ -54,16 +57,21 @@ class PipelinedReplica:
     """One stage of a replica's pipelined model, whose gradients average over the replicas."""
 
     def __init__(self, layers: nn.Sequential, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
-                 stages: int, stage: int, microbatches: int, schedule: str) -> None:
+                 stages: int, stage: int, microbatches: int, schedule: str, tensor_parallel: int = 1,
+                 plan: Plan | None = None) -> None:
         self.pipe = PipelinedModel(layers, stages, loss_fn, microbatches=microbatches, schedule=schedule)
         self.pipe.hold(stage)
+        # With tensor parallelism the stage's layers are cut across its tensor-parallel group: each
+        # generation binds that first (the state is its local slices), then the stage's pipeline.
+        self.tensor = (TensorParallelReplica(self.pipe.module, stage_plan(plan or {}, self.pipe.module),
+                                             tensor_parallel) if tensor_parallel > 1 else None)
         self._average: Callable[[torch.Tensor], None] | None = None
         self._agree: Callable[[], None] | None = None
 
     @property
     def module(self) -> nn.Module:
-        """This stage's layers, under the whole model's names."""
-        return self.pipe.module
+        """This stage's layers, under the whole model's names (this generation's, when tensor parallel)."""
+        return self.tensor.module if self.tensor is not None else self.pipe.module
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -72,17 +80,23 @@ class PipelinedReplica:
         return self.module.named_parameters()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.module.state_dict()
+        return self.tensor.state_dict() if self.tensor is not None else self.module.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state)
+        if self.tensor is not None:
+            self.tensor.load_state_dict(state)
+        else:
+            self.module.load_state_dict(state)
 
     def bind(self, pipeline_group: dist.ProcessGroup, average: Callable[[torch.Tensor], None],
              agree: Callable[[], None]) -> None:
         """Join this generation: the replica's stages over `pipeline_group`; `average`, which sums
         a flat buffer of gradients across the replicas in place (a collective of the stage's
         data-parallel group); and `agree`, a collective of every rank that returns once every
-        stage of every replica holds its averaged gradients (see `step`)."""
+        stage of every replica holds its averaged gradients (see `step`). A tensor-parallel stage's
+        `tensor` is bound to its group before."""
+        if self.tensor is not None:
+            self.pipe.replace_module(self.tensor.tp.module)
         self.pipe.bind(pipeline_group)
         self._average, self._agree = average, agree
 
@@ -102,12 +116,15 @@ class PipelinedReplica:
         batch.on_sync()
         # Every replica's stage averages the same buffer: a parameter without a gradient (unused
         # this step) adds zeros, as DDP does, since buffers of different sizes kill gloo.
-        grads = []
-        for param in self.parameters():
-            if param.requires_grad:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                grads.append(param.grad)
+        if self.tensor is not None:
+            grads = self.tensor.gradients()  # local slices
+        else:
+            grads = []
+            for param in self.parameters():
+                if param.requires_grad:
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                    grads.append(param.grad)
         for dtype in sorted({g.dtype for g in grads}, key=str):
             same = [g for g in grads if g.dtype == dtype]
             flat = torch.cat([g.reshape(-1) for g in same]).mul_(batch.weight)
@@ -122,6 +139,13 @@ class PipelinedReplica:
         # death inside this one small collective, which the next formation detects.
         self._agree()
         return loss
+
+
+def stage_plan(plan: Plan, stage: nn.Module) -> dict[str, Any]:
+    """The keys of a whole model's tensor-parallel plan that name this stage's layers (its children keep
+    the whole model's names)."""
+    names = [name for name, _ in stage.named_children()]
+    return {path: style for path, style in plan.items() if any(fnmatch(name, path.split(".")[0]) for name in names)}
 
 
 def _inputs_and_targets(data: Any) -> tuple[torch.Tensor, torch.Tensor]:

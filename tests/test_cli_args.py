@@ -135,3 +135,9 @@ def test_tensor_parallel_that_does_not_divide_the_heads_or_a_partial_replica_is_
     err = usage_error(["demo", "--tensor-parallel", "2", "--max-workers", "3"], capsys)
     assert "max_workers(3) is not a whole number of replicas of tensor_parallel(2) workers: give a multiple of 2" in err
     assert runs == []
+
+
+def test_the_demo_refuses_pipeline_stages_and_tensor_parallel_together(runs, capsys):
+    err = usage_error(["demo", "--pipeline-stages", "2", "--tensor-parallel", "2"], capsys)
+    assert "the demo runs pipeline_stages or tensor_parallel, not both" in err
+    assert runs == []

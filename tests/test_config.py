@@ -414,8 +414,10 @@ def test_a_stage_count_of_zero_is_a_validation_error_naming_the_field():
         ScalingConfig(pipeline_stages=0, num_workers=2)
 
 
-def test_pipeline_stages_and_tensor_parallel_in_one_replica_are_refused_until_built():
+def test_pipeline_stages_and_tensor_parallel_make_one_replica_of_both():
     scaling = ScalingConfig(pipeline_stages=2, tensor_parallel=2, max_replicas=2)
     assert scaling.replica_size == 4 and (scaling.min_workers, scaling.max_workers) == (4, 8)
-    with pytest.raises(ValueError, match=r"pipeline_stages\(2\) x tensor_parallel\(2\) is not built in runs yet"):
-        check_replicas_fit(scaling, DataConfig(global_batch_size=64, micro_batch_size=4, max_steps=4), Strategy())
+    check_replicas_fit(scaling, DataConfig(global_batch_size=64, micro_batch_size=4, max_steps=4), Strategy())
+    with pytest.raises(ValidationError, match=r"max_workers\(6\) is not a whole number of replicas of "
+                                              r"pipeline_stages\(2\) x tensor_parallel\(2\) workers"):
+        ScalingConfig(pipeline_stages=2, tensor_parallel=2, min_workers=4, max_workers=6)

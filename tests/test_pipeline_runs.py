@@ -1,7 +1,7 @@
-"""Runs of replicas: replicas of 2 pipeline stages, or of 2 tensor-parallel ranks, are the
-elastic unit (real Ray actors, gloo).
+"""Runs of replicas: replicas of 2 pipeline stages, of 2 tensor-parallel ranks, or of both (2 x 2),
+are the elastic unit (real Ray actors, gloo; one local Ray of 8 logical CPUs).
 
-dp=2 x pp=2 (and dp=2 x tp=2) on 4 workers, float64 with Tanh and AdamW. A replica's worker dies
+dp=2 x pp=2 and dp=2 x tp=2 on 4 workers, dp=2 x pp=2 x tp=2 on 8, float64 with Tanh and AdamW. A replica's worker dies
 (an injected kill at millisecond steps, or a SIGKILL sent from this process at a moment inside a
 slow step): its replica leaves whole, the other replica heals in place and carries the whole
 global batch, and a new replica forms when capacity for one is back. Every sample is consumed
@@ -14,16 +14,26 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import ray
 import torch
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy
 from elastic.checkpoint import Checkpoint, CheckpointError
 from elastic.errors import ElasticError
-from workloads import (GLOBAL_BATCH, STEPS_PER_EPOCH, OutsideKiller, build_tensor_parallel_mlp, fit_held,
-                       pipeline_loop, plain_reference, tensor_parallel_loop, workers_started)
+from workloads import (GLOBAL_BATCH, STEPS_PER_EPOCH, OutsideKiller, build_3d_mlp, build_tensor_parallel_mlp,
+                       fit_held, pipeline_loop, plain_reference, tensor_parallel_loop, workers_started)
 
 MAX_STEPS = 24
 SLOW_STEP_S = 0.25
+REPLICA_3D = 4  # pipeline_stages x tensor_parallel
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """The module's Ray: room for two replicas of 4 workers."""
+    ray.init(address="local", num_cpus=2 * REPLICA_3D, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +99,12 @@ def _assert_replica_left_whole_and_came_back(result, dead_rank):
     assert recovery and not any(r["from_checkpoint"] for r in recovery), "the run restarted instead of healing"
 
 
-# CI kills inside the average (the harder moment); the soak also at a step's start.
+# CI kills a tensor-parallel worker inside its average (the harder moment), and a pipelined
+# stage there through the 3D test below; the soak also kills each at a step's start.
 WHERES = [pytest.param("step_start", marks=pytest.mark.soak), "allreduce"]
 
 
-@pytest.mark.parametrize("where", WHERES)
+@pytest.mark.parametrize("where", [pytest.param(where, marks=pytest.mark.soak) for where in ("step_start", "allreduce")])
 def test_a_stage_workers_death_takes_out_its_replica_the_other_heals_and_a_new_replica_joins(
         local_ray, tmp_path, reference, where):
     # At its average, stage 0 of replica 1 dies after the stage-1 average may have completed:
@@ -171,3 +182,37 @@ def test_a_pipelined_checkpoint_is_refused_by_a_run_of_another_number_of_stages_
         rerun.fit()
     with pytest.raises(CheckpointError, match="has no part 'stage-2'.*parts \\['stage-0', 'stage-1'\\]"):
         written.load_state("stage-2")
+
+
+def test_a_3d_replica_loses_a_worker_leaves_whole_and_a_new_one_joins(local_ray, tmp_path):
+    trainer = ElasticTrainer(
+        pipeline_loop,
+        # Held at step 1 until both replicas started, and at 12 until the new one's workers did.
+        train_loop_config={"max_steps": MAX_STEPS, "gate": (1, str(tmp_path / "started")),
+                           "gates": [(12, str(tmp_path / "regrown"))]},
+        scaling_config=ScalingConfig(pipeline_stages=2, tensor_parallel=2, min_replicas=1, max_replicas=2),
+        run_config=RunConfig(name="3d", storage_path=str(tmp_path), checkpoint_config=CheckpointConfig(every_steps=8)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=MAX_STEPS),
+        strategy=Strategy(pipeline_schedule="1f1b", pipeline_microbatches=4),
+        faults=[Fault(kind="kill", rank=5, step=8, where="allreduce")],  # replica 1's stage 0, tp rank 1
+        show_progress=False,
+    )
+    result = fit_held(trainer, workers_started(2 * REPLICA_3D), workers_started(3 * REPLICA_3D))
+
+    formed = result.events_of("generation_formed")
+    before = next(e for e in formed if e["world_size"] == 2 * REPLICA_3D)
+    ids = [m["worker_id"] for m in before["members"]]
+    released = sorted(e["worker_id"] for e in result.events_of("worker_failed") if e["kind"] == "replica")
+    assert released == sorted(w for w in ids[4:] if w != ids[5]), "the dead worker's 3 replica-mates were not taken out"
+    heal = next(e for e in formed if e["kind"] == "heal")
+    assert [m["worker_id"] for m in heal["members"]] == ids[:4], "replica 0 did not heal in place alone"
+    regrown = [e for e in formed if e["generation"] > heal["generation"] and e["world_size"] == 2 * REPLICA_3D]
+    assert regrown and regrown[0]["kind"] == "grow" and [m["worker_id"] for m in regrown[0]["members"]][:4] == ids[:4]
+    assert not any(r["from_checkpoint"] for r in result.events_of("recovery"))
+    ledger = result.value["ledger"]
+    assert torch.equal(ledger, torch.ones(MAX_STEPS // STEPS_PER_EPOCH, ledger.shape[1], dtype=ledger.dtype))
+    checkpoint = Checkpoint.from_path(result.checkpoint.path)
+    assert checkpoint.parts == ["stage-0-tp-0", "stage-0-tp-1", "stage-1-tp-0", "stage-1-tp-1"]
+    params, reference = checkpoint.model_state_dict(), plain_reference(MAX_STEPS, build=build_3d_mlp)
+    assert params.keys() == reference.keys()
+    assert max((params[k] - reference[k]).abs().max().item() for k in reference) < 1e-9

@@ -161,12 +161,27 @@ def build_pipeline_mlp(dtype: torch.dtype = torch.float64) -> torch.nn.Sequentia
                                torch.nn.Linear(32, 1)).to(dtype)
 
 
+def build_3d_mlp(dtype: torch.dtype = torch.float64) -> torch.nn.Sequential:
+    """Two Linear pairs, cut by 2 pipeline stages into one pair each, which tensor parallelism cuts
+    (colwise, then rowwise: `PLAN_3D`), so each stage hands the next a whole activation."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(dtype)
+
+
 def pipeline_loop(config: dict) -> dict:
     """`regression_loop`'s task in a pipelined run: each replica pipelines its share through its
-    stages, with the same per-sample ledger (counted by each replica's stage 0) and AdamW."""
+    stages, with the same per-sample ledger (counted by each replica's first worker) and AdamW.
+    With pipeline stages and tensor parallelism both, the model is `build_3d_mlp`'s."""
+    from elastic.tensor_parallel import mlp_plan
+
     ctx = elastic.get_context()
     dataset = regression_data()
-    model = ctx.prepare_model(build_pipeline_mlp(), loss_fn=torch.nn.functional.mse_loss)
+    if ctx.shape.tensor_parallel > 1:
+        model = ctx.prepare_model(build_3d_mlp(), loss_fn=torch.nn.functional.mse_loss,
+                                  tensor_parallel_plan={**mlp_plan("0", "2"), **mlp_plan("4", "6")})
+    else:
+        model = ctx.prepare_model(build_pipeline_mlp(), loss_fn=torch.nn.functional.mse_loss)
     optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
     ledger = torch.zeros(-(-config["max_steps"] // STEPS_PER_EPOCH), NUM_SAMPLES, dtype=torch.float64)
     ctx.register_state("ledger", ledger)
@@ -176,7 +191,7 @@ def pipeline_loop(config: dict) -> dict:
             time.sleep(config.get("compute_s", 0.0))
             batch = step.batch()
             counts = torch.zeros(NUM_SAMPLES, dtype=torch.float64)
-            if ctx.pipeline_stage == 0:
+            if ctx.pipeline_stage == 0 and ctx.tensor_parallel_rank == 0:
                 counts[batch.indices] += 1
             # Every replica's stage 0 counted its share. Before model.step: a collective of every
             # rank between the stages' gradient averages and the optimizer's step would hide a

@@ -111,6 +111,10 @@ class DemoConfig(BaseModel):
                 raise ValueError(f"{bound}({workers}) is not a whole number of replicas of "
                                  f"{replica_words(stages, self.tensor_parallel)} workers: give a multiple of {size}, "
                                  f"or leave it out for {DEFAULT_REPLICAS[0]}-{DEFAULT_REPLICAS[1]} replicas")
+        if stages > 1 and self.tensor_parallel > 1:
+            raise ValueError("the demo runs pipeline_stages or tensor_parallel, not both: its pipeline layers "
+                             "(TinyLM.pipeline_layers()) have no tensor-parallel plan; ElasticTrainer runs both "
+                             "for a model whose plan names its Sequential's layers (docs/parallelism.md)")
         heads = ModelConfig(seq_len=self.seq_len).n_heads
         if heads % self.tensor_parallel:
             raise ValueError(f"tensor_parallel({self.tensor_parallel}) does not divide the LM's {heads} attention "
