@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Callable, Iterator
 
 import torch
@@ -223,14 +224,17 @@ class TrainContext:
 
     def prepare_model(self, model: torch.nn.Module,
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                      tensor_parallel_plan: Plan | None = None) -> ElasticDDP | PipelinedReplica | TensorParallelReplica:
+                      tensor_parallel_plan: Plan | None = None, split_points: Sequence[int] | None = None
+                      ) -> ElasticDDP | PipelinedReplica | TensorParallelReplica:
         """Register `model` for healing and wrap it in DDP; call before `steps()`.
 
         Under Strategy(zero=2 or 3) each generation shards it with FSDP2 instead: the returned
         module then holds that generation's sharded module (DTensor parameters) as `module`.
         With ScalingConfig(pipeline_stages > 1), `model` is an nn.Sequential cut into that many
         stages and `loss_fn(outputs, targets)` the mean loss the last stage computes: the
-        returned `PipelinedReplica` holds this worker's stage (elastic.pipelined_replica).
+        returned `PipelinedReplica` holds this worker's stage (elastic.pipelined_replica); the
+        stages are cut evenly by layer count, or where `split_points` say (the index of the layer
+        each stage after the first begins with).
         With ScalingConfig(tensor_parallel > 1), `tensor_parallel_plan` (by default the model's
         `tensor_parallel_plan()`) cuts its layers across the replica's workers: the returned
         `TensorParallelReplica` holds this worker's slices (elastic.tensor_parallel_replica).
@@ -240,8 +244,11 @@ class TrainContext:
         if tensor_parallel_plan is not None and self.shape.tensor_parallel == 1:
             raise ElasticError("prepare_model(model, tensor_parallel_plan=...) takes a plan only in a tensor-parallel "
                                "run (ScalingConfig(tensor_parallel > 1))")
+        if split_points is not None and not self.pipelined:
+            raise ElasticError("prepare_model(model, split_points=...) cuts pipeline stages: it takes split points "
+                               "only in a pipelined run (ScalingConfig(pipeline_stages > 1))")
         if self.pipelined:
-            return self._prepare_pipeline(model, loss_fn, tensor_parallel_plan)
+            return self._prepare_pipeline(model, loss_fn, tensor_parallel_plan, split_points)
         if self.shape.tensor_parallel > 1:
             return self._prepare_tensor_parallel(model, tensor_parallel_plan)
         if loss_fn is not None:
@@ -256,7 +263,8 @@ class TrainContext:
             self.techniques.sharded.on_rebuilt = lambda module: setattr(self._model, "module", module)
         return self._model
 
-    def _prepare_pipeline(self, model: torch.nn.Module, loss_fn: Callable | None, plan: Plan | None) -> PipelinedReplica:
+    def _prepare_pipeline(self, model: torch.nn.Module, loss_fn: Callable | None, plan: Plan | None,
+                          split_points: Sequence[int] | None) -> PipelinedReplica:
         if loss_fn is None:
             raise ElasticError(f"with pipeline_stages({self.shape.pipeline_stages}) the last stage computes the loss: "
                                "call ctx.prepare_model(model, loss_fn=...), e.g. loss_fn=nn.functional.mse_loss, "
@@ -266,7 +274,8 @@ class TrainContext:
         self._pipeline = PipelinedReplica(model, loss_fn, stages=self.shape.pipeline_stages,
                                           stage=self.pipeline_stage, microbatches=self.strategy.pipeline_microbatches,
                                           schedule=self.strategy.pipeline_schedule,
-                                          tensor_parallel=self.shape.tensor_parallel, plan=plan)
+                                          tensor_parallel=self.shape.tensor_parallel, plan=plan,
+                                          split_points=split_points)
         self._pipeline.module.to(self.device)  # this stage only: the others' layers are dropped
         self._tensor = self._pipeline.tensor  # its slices, when its stage is tensor parallel
         self._objects["model"] = self._pipeline

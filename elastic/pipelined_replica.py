@@ -27,7 +27,7 @@ process group, and each generation's mesh has new ones.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from typing import Any
@@ -58,8 +58,9 @@ class PipelinedReplica:
 
     def __init__(self, layers: nn.Sequential, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
                  stages: int, stage: int, microbatches: int, schedule: str, tensor_parallel: int = 1,
-                 plan: Plan | None = None) -> None:
-        self.pipe = PipelinedModel(layers, stages, loss_fn, microbatches=microbatches, schedule=schedule)
+                 plan: Plan | None = None, split_points: Sequence[int] | None = None) -> None:
+        self.pipe = PipelinedModel(layers, stages, loss_fn, microbatches=microbatches, schedule=schedule,
+                                   split_points=split_points)
         self.pipe.hold(stage)
         # With tensor parallelism the stage's layers are cut across its tensor-parallel group: each
         # generation binds that first (the state is its local slices), then the stage's pipeline.

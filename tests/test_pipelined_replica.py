@@ -82,3 +82,13 @@ def test_a_tensor_parallel_workers_optimizer_is_built_over_the_given_model_befor
     ctx.prepare_optimizer(torch.optim.AdamW(model.parameters()))  # re-pointed at the first generation's bind
     with pytest.raises(ElasticError, match=r"runs once the first generation formed"):
         model(torch.zeros(1, 4))
+
+
+def test_a_pipelined_run_cuts_its_stages_where_the_split_points_say():
+    layers = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 1))
+    model = _context(2).prepare_model(layers, loss_fn=nn.functional.mse_loss, split_points=[3])
+    assert list(model.state_dict()) == ["3.weight", "3.bias"]  # evenly, stage 1 would hold layers 2 and 3
+    with pytest.raises(ElasticError, match=r"split_points \[3\] must increase strictly within 1..2"):
+        _context(2).prepare_model(_layers(), loss_fn=nn.functional.mse_loss, split_points=[3])
+    with pytest.raises(ElasticError, match=r"takes split points only in a pipelined run"):
+        _context(1).prepare_model(_layers(), split_points=[1])
