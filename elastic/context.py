@@ -313,8 +313,8 @@ class TrainContext:
             self._tensor.tp.adopt(optimizer)  # each generation's bind carries it to the new module
             self._objects["optimizer"] = LocalSlices(optimizer)
             if not self.pipelined:  # a pipelined stage averages in model.step
-                # A step whose last micro-batch was not backpropagated through mb.backward is refused
-                # by _check_weighted; this averages one whose loop did its own backward after it.
+                # The last micro-batch's mb.backward averages; this averages a step whose loop
+                # stopped before it, or a replica that got no micro-batch.
                 optimizer.register_step_pre_hook(lambda *_: self._average_slices(self._current_step))
         optimizer.register_step_post_hook(lambda *_: self._commit())
         return optimizer
@@ -751,10 +751,10 @@ class TrainContext:
         self._last_sync, progress = sync_state(self._objects, held.progress, self.device, holds_state, data_group)
         if self.in_replicas:
             _check_stages_agree(progress["step"], self.device)
-        if self._tensor is not None:
-            self._share_random_state(groups["tp"])
             source = dist.get_global_rank(data_group, self._last_sync.source_rank)
             self._last_sync = dataclasses.replace(self._last_sync, source_rank=source)
+        if self._tensor is not None:
+            self._share_random_state(groups["tp"])
         self._holds_state = True
         self._step_index = progress["step"]
         self._cursor = data_math.DataCursor(**progress["cursor"])

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from typing import Any
 
 import torch
@@ -38,7 +37,7 @@ from torch import nn
 
 from elastic.errors import ElasticError
 from elastic.pipeline import PipelinedModel
-from elastic.tensor_parallel import Plan
+from elastic.tensor_parallel import Plan, check_plan, resolve
 from elastic.tensor_parallel_replica import TensorParallelReplica
 
 
@@ -61,6 +60,9 @@ class PipelinedReplica:
                  plan: Plan | None = None, split_points: Sequence[int] | None = None) -> None:
         self.pipe = PipelinedModel(layers, stages, loss_fn, microbatches=microbatches, schedule=schedule,
                                    split_points=split_points)
+        if tensor_parallel > 1:
+            # On the whole model: a key that names no layer of any stage is refused, not dropped.
+            check_plan(layers if isinstance(layers, nn.Module) else nn.Sequential(*layers), plan or {}, tensor_parallel)
         self.pipe.hold(stage)
         # With tensor parallelism the stage's layers are cut across its tensor-parallel group: each
         # generation binds that first (the state is its local slices), then the stage's pipeline.
@@ -73,6 +75,13 @@ class PipelinedReplica:
     def module(self) -> nn.Module:
         """This stage's layers, under the whole model's names (this generation's, when tensor parallel)."""
         return self.tensor.module if self.tensor is not None else self.pipe.module
+
+    def train(self, mode: bool = True) -> "PipelinedReplica":
+        (self.tensor or self.module).train(mode)
+        return self
+
+    def eval(self) -> "PipelinedReplica":
+        return self.train(False)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -143,10 +152,9 @@ class PipelinedReplica:
 
 
 def stage_plan(plan: Plan, stage: nn.Module) -> dict[str, Any]:
-    """The keys of a whole model's tensor-parallel plan that name this stage's layers (its children keep
+    """The keys of a whole model's tensor-parallel plan that name modules of this stage (its layers keep
     the whole model's names)."""
-    names = [name for name, _ in stage.named_children()]
-    return {path: style for path, style in plan.items() if any(fnmatch(name, path.split(".")[0]) for name in names)}
+    return {path: style for path, style in plan.items() if resolve(stage, path)}
 
 
 def _inputs_and_targets(data: Any) -> tuple[torch.Tensor, torch.Tensor]:

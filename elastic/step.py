@@ -14,6 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic import data as data_math
+from elastic.errors import ElasticError
 from elastic.group import is_peer_failure
 
 if TYPE_CHECKING:
@@ -36,6 +37,10 @@ class MicroBatch:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate the micro-batch's mean loss, weighted so the step is the global-batch mean."""
+        if self.step is not None and self.step.averaged:
+            raise ElasticError("mb.backward() after the step's gradients were averaged across the replicas (a "
+                               "tensor-parallel run averages at the last micro-batch's backward): sum the losses "
+                               "of a micro-batch and call mb.backward once")
         if self.on_sync is not None:
             self.on_sync()
         if self.step is not None and not self.weighted:

@@ -118,7 +118,7 @@ class TensorParallelModel:
     def __init__(self, module: nn.Module, plan: Plan, size: int) -> None:
         if size < 1:
             raise ElasticError(f"size({size}) counts the ranks of a tensor-parallel group: it must be at least 1")
-        _check_plan(module, plan, size)
+        check_plan(module, plan, size)
         self.plan, self.size = dict(plan), size
         self.rank: int | None = None  # this process's rank in every group it binds, fixed by the first bind
         self._skeleton = _on_meta(module)
@@ -198,12 +198,12 @@ def _check_kernels(optimizer: torch.optim.Optimizer) -> None:
                            f"its own when there are DTensors")
 
 
-def _check_plan(module: nn.Module, plan: Plan, size: int) -> None:
+def check_plan(module: nn.Module, plan: Plan, size: int) -> None:
     """Refuse a plan the model cannot run: a key matching nothing, a module inside nn.MultiheadAttention, heads
     split across ranks, a style on a module it cannot cut, a cut into unequal slices."""
     targets = []
     for path, style in plan.items():
-        found = _resolve(module, path)
+        found = resolve(module, path)
         if not found:
             raise ElasticError(f"Plan key {path!r} matches no submodule of {type(module).__name__}: name module paths "
                                f"as model.named_modules() does ('*' matches any one name)")
@@ -253,7 +253,7 @@ def _refuse_inside_fused_attention(module: nn.Module, name: str) -> None:
                 f"the demo's TinyLM does with ModelConfig(attention='split')")
 
 
-def _resolve(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+def resolve(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
     """The submodules `path` names, matched one name at a time with fnmatch as parallelize_module matches them."""
     if not path:
         return [("", module)]
@@ -261,7 +261,7 @@ def _resolve(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
     found = []
     for name, child in module.named_children():
         if fnmatch(name, token):
-            found += [(f"{name}.{sub}" if sub else name, target) for sub, target in _resolve(child, rest)]
+            found += [(f"{name}.{sub}" if sub else name, target) for sub, target in resolve(child, rest)]
     return found
 
 

@@ -92,3 +92,27 @@ def test_a_pipelined_run_cuts_its_stages_where_the_split_points_say():
         _context(2).prepare_model(_layers(), loss_fn=nn.functional.mse_loss, split_points=[3])
     with pytest.raises(ElasticError, match=r"takes split points only in a pipelined run"):
         _context(1).prepare_model(_layers(), split_points=[1])
+
+
+def test_a_stage_keeps_the_plan_keys_that_name_its_own_modules_and_a_key_naming_none_is_refused():
+    from elastic.pipelined_replica import stage_plan
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    blocks = nn.Sequential(nn.Sequential(nn.Linear(4, 8)), nn.Sequential(nn.Linear(4, 8)))
+    stage = nn.Module()
+    stage.add_module("1", blocks[1])  # stage 1 holds layer "1" under the whole model's name
+    assert list(stage_plan({"*.0": ColwiseParallel(), "0.0": ColwiseParallel()}, stage)) == ["*.0"]
+    with pytest.raises(ElasticError, match=r"Plan key 'typo' matches no submodule"):
+        _context(2, 2).prepare_model(_layers(), loss_fn=nn.functional.mse_loss,
+                                     tensor_parallel_plan={"typo": ColwiseParallel()})
+
+
+def test_a_second_backward_after_the_replicas_averaged_is_refused():
+    from elastic.data import DataCursor
+    from elastic.step import MicroBatch, Step
+
+    step = Step(_context(1, 2), 0, DataCursor(), 8)
+    step.averaged = True
+    batch = MicroBatch(data=None, indices=torch.arange(2), weight=1.0, step=step)
+    with pytest.raises(ElasticError, match=r"mb.backward\(\) after the step's gradients were averaged"):
+        batch.backward(torch.zeros((), requires_grad=True))
