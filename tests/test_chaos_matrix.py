@@ -135,11 +135,13 @@ def run_cell(name, cell, pace, reference, tmp_path):
     return result
 
 
-# At fast steps CI leaves out five moments that other CI tests also kill at (a step's start
+# At fast steps CI leaves out six moments that other CI tests also kill at (a step's start
 # and inside the all-reduce: test_healing, test_chaos, test_streaming; a grow's formation
 # before the newcomer joined: its twin after the join stays; a checkpoint write: test_chaos's
-# checkpoint-crash faults; every worker: test_resume's restart from storage); `-m soak` runs them too.
-FAST_IN_SOAK_ONLY = ("step-start", "mid-allreduce", "grow-before-newcomer-joined", "checkpoint-write", "every-worker")
+# checkpoint-crash faults; every worker: test_resume's restart from storage; the controller during
+# a formation: test_resume kills the controller mid-run); `-m soak` runs them too.
+FAST_IN_SOAK_ONLY = ("step-start", "mid-allreduce", "grow-before-newcomer-joined", "checkpoint-write", "every-worker",
+                     "controller-during-formation")
 FAST_CELLS = [pytest.param(name, marks=pytest.mark.soak) if name in FAST_IN_SOAK_ONLY else name for name in CELLS]
 
 
