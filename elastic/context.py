@@ -41,6 +41,7 @@ from elastic.collectives import Collectives
 from elastic.config import CheckpointConfig, DataConfig, Strategy
 from elastic.errors import ElasticError, StateLostError, UnweightedBackwardError, WorkerEvictedError
 from elastic.faults import Fault
+from elastic.flat_state import reduce_in_place
 from elastic.injection import FaultInjector
 from elastic.group import (
     ABORTABLE_FROM_WORLD_SIZE,
@@ -64,7 +65,7 @@ from elastic.stream import StreamLoader
 from elastic.state_sync import load_into, state_of, sync_state
 from elastic.techniques import Techniques
 from elastic.tensor_parallel import Plan
-from elastic.tensor_parallel_replica import LocalSlices, TensorParallelReplica
+from elastic.tensor_parallel_replica import LocalSlices, TensorParallelReplica, local_gradients
 
 # Steps between the boundary all-reduces that agree on time-based checkpoints (only runs with
 # CheckpointConfig(every_s) launch them). The step index decides, so every rank checks at the
@@ -545,16 +546,7 @@ class TrainContext:
         if step is None or step.averaged:
             return
         step.averaged = True
-        grads = self._tensor.gradients()
-        for dtype in sorted({g.dtype for g in grads}, key=str):
-            same = [g for g in grads if g.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in same])
-            self._average_over_replicas(flat)
-            flat.div_(self.num_replicas)
-            offset = 0
-            for grad in same:
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+        reduce_in_place(local_gradients(self._tensor.module), self._average_over_replicas, divide=self.num_replicas)
         self._all_averaged()  # as PipelinedReplica.step: no rank steps while another's average failed
 
     def _all_averaged(self) -> None:

@@ -11,7 +11,7 @@ uses this to copy only the slice its rank writes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -86,6 +86,24 @@ def unflatten(structure: Any, buffers: dict[str, torch.Tensor]) -> Any:
     if isinstance(structure, (list, tuple)):
         return type(structure)(unflatten(v, buffers) for v in structure)
     return structure
+
+
+def reduce_in_place(tensors: list[torch.Tensor], reduce: Callable[[torch.Tensor], None], *, scale: float = 1.0,
+                    divide: float = 1.0) -> None:
+    """Reduce `tensors` across ranks with one collective per dtype: each dtype's tensors go into one flat
+    buffer, multiplied by `scale`, reduced in place by `reduce`, divided by `divide`, and copied back."""
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in same])
+        if scale != 1.0:
+            flat.mul_(scale)
+        reduce(flat)
+        if divide != 1.0:
+            flat.div_(divide)
+        offset = 0
+        for tensor in same:
+            tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
 
 
 def buffer_dtype(name: str) -> torch.dtype:

@@ -36,9 +36,10 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic.errors import ElasticError
+from elastic.flat_state import reduce_in_place
 from elastic.pipeline import PipelinedModel
 from elastic.tensor_parallel import Plan, check_plan, resolve
-from elastic.tensor_parallel_replica import TensorParallelReplica
+from elastic.tensor_parallel_replica import TensorParallelReplica, local_gradients
 
 
 @dataclass
@@ -124,25 +125,7 @@ class PipelinedReplica:
         inputs, targets = _inputs_and_targets(batch.data)
         loss = self.pipe.step(inputs, targets)
         batch.on_sync()
-        # Every replica's stage averages the same buffer: a parameter without a gradient (unused
-        # this step) adds zeros, as DDP does, since buffers of different sizes kill gloo.
-        if self.tensor is not None:
-            grads = self.tensor.gradients()  # local slices
-        else:
-            grads = []
-            for param in self.parameters():
-                if param.requires_grad:
-                    if param.grad is None:
-                        param.grad = torch.zeros_like(param)
-                    grads.append(param.grad)
-        for dtype in sorted({g.dtype for g in grads}, key=str):
-            same = [g for g in grads if g.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in same]).mul_(batch.weight)
-            self._average(flat)
-            offset = 0
-            for grad in same:
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+        reduce_in_place(local_gradients(self.module), self._average, scale=batch.weight)
         # The stages average over different groups, so a death can fail one stage's average while
         # another's completes; a stage that then stepped would be a step ahead of its replica,
         # which no sync can undo. Stepping only once every rank averaged leaves that only to a

@@ -83,16 +83,6 @@ class TensorParallelReplica:
             for name, tensor in self.tp.module.state_dict().items():
                 local(tensor).copy_(state["tensors"][name])
 
-    def gradients(self) -> list[torch.Tensor]:
-        """Each parameter's local gradient, zeros for one that got none this step (every replica's same
-        rank sums the same buffer: gloo kills a process whose collective differs in size)."""
-        grads = []
-        for param in self.tp.module.parameters():
-            if param.requires_grad:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                grads.append(local(param.grad))
-        return grads
 
 
 class LocalSlices:
@@ -119,6 +109,19 @@ class LocalSlices:
                             and value.shape == param.to_local().shape:
                         values[key] = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
                                                          shape=param.shape, stride=param.stride())
+
+
+def local_gradients(module: nn.Module) -> list[torch.Tensor]:
+    """Each trainable parameter's gradient as this worker holds it (a DTensor's local slice), zeros for one
+    that got none this step: every replica's same worker sums the same buffer, and gloo kills a process
+    whose collective differs in size (DDP adds zeros for an unused parameter too)."""
+    grads = []
+    for param in module.parameters():
+        if param.requires_grad:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(local(param.grad))
+    return grads
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

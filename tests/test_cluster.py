@@ -14,7 +14,7 @@ from ray.cluster_utils import Cluster
 from elastic import DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
 from elastic.events import read_events
 from elastic.storage import RunStorage
-from workloads import GLOBAL_BATCH, NUM_SAMPLES, STEPS_PER_EPOCH, pipeline_loop, regression_loop
+from workloads import GLOBAL_BATCH, NUM_SAMPLES, STEPS_PER_EPOCH, pipeline_loop, regression_loop, workers_started
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster]
 
@@ -50,6 +50,13 @@ def _wait_for(name, predicate, what):
         time.sleep(POLL_S)
 
 
+def _open_when_started(gate, storage_path, name, workers):
+    """Open a train loop's gate (workloads.hold_at_gate) once `workers` workers of the run have started."""
+    while not workers_started(workers)(read_events(RunStorage(str(storage_path), name))):
+        time.sleep(POLL_S)
+    gate.touch()
+
+
 def test_training_continues_on_the_rest_when_a_node_with_half_the_workers_is_removed_and_regrows_on_a_new_node(
     cluster, tmp_path
 ):
@@ -73,9 +80,7 @@ def test_training_continues_on_the_rest_when_a_node_with_half_the_workers_is_rem
     cluster.remove_node(node_b)
     _wait_for("node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 2, "the run healed to 2 workers")
     node_c = cluster.add_node(num_cpus=2)
-    while len([e for e in read_events(RunStorage(str(tmp_path), "node-loss")) if e["type"] == "worker_started"]) < 6:
-        time.sleep(POLL_S)
-    gate.touch()
+    _open_when_started(gate, tmp_path, "node-loss", 6)
     fit.join()
 
     result = outcome["result"]
@@ -123,10 +128,7 @@ def test_a_replica_is_one_placement_group_on_one_node_and_a_node_loss_takes_out_
     cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == lost_node))
     _wait_for("replica-node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 2, "the other replica healed")
     cluster.add_node(num_cpus=2)
-    while len([e for e in read_events(RunStorage(str(tmp_path), "replica-node-loss"))
-               if e["type"] == "worker_started"]) < 6:
-        time.sleep(POLL_S)
-    gate.touch()
+    _open_when_started(gate, tmp_path, "replica-node-loss", 6)
     fit.join()
 
     result = outcome["result"]

@@ -46,22 +46,29 @@ def mlp_reference():
     return plain_reference(MAX_STEPS, build=build_tensor_parallel_mlp)
 
 
+@pytest.fixture(scope="module")
+def references(reference, mlp_reference):
+    """The plain model of each replica shape's run, by (pipeline_stages, tensor_parallel)."""
+    return {(2, 1): reference, (1, 2): mlp_reference, (2, 2): plain_reference(MAX_STEPS, build=build_3d_mlp)}
+
+
 def _fit(tmp_path, name, faults=(), compute_s=0.0, resume_from=None, max_replicas=2, stop_at=MAX_STEPS,
-         regrow=False, tensor_parallel=False):
+         regrow=False, pipeline_stages=2, tensor_parallel=1):
     """The run, held at step 1 until every replica's workers started (a slow start may begin with
     one replica and grow); with `regrow`, also at step 12 until a new replica's workers started, so
     that the replica a death took out comes back before the end."""
     config = {"max_steps": MAX_STEPS, "compute_s": compute_s}  # the ledger's epochs: those of MAX_STEPS
     config["gate"] = (1, str(tmp_path / f"started-{name}"))
-    gates = [workers_started(2 * max_replicas)]
+    size = pipeline_stages * tensor_parallel
+    gates = [workers_started(size * max_replicas)]
     if regrow:
         config["gates"] = [(12, str(tmp_path / f"regrown-{name}"))]
-        gates.append(workers_started(2 * max_replicas + 2))
-    shape = {"tensor_parallel": 2} if tensor_parallel else {"pipeline_stages": 2}
+        gates.append(workers_started(size * (max_replicas + 1)))
     trainer = ElasticTrainer(
-        tensor_parallel_loop if tensor_parallel else pipeline_loop,
+        pipeline_loop if pipeline_stages > 1 else tensor_parallel_loop,
         train_loop_config=config,
-        scaling_config=ScalingConfig(**shape, min_replicas=1, max_replicas=max_replicas),
+        scaling_config=ScalingConfig(pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel, min_replicas=1,
+                                     max_replicas=max_replicas),
         run_config=RunConfig(name=name, storage_path=str(tmp_path), checkpoint_config=CheckpointConfig(every_steps=8)),
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=stop_at),
         strategy=Strategy(pipeline_schedule="1f1b", pipeline_microbatches=4),
@@ -81,20 +88,24 @@ def _max_diff(params, reference):
     return max((params[k] - reference[k]).abs().max().item() for k in reference)
 
 
-def _assert_replica_left_whole_and_came_back(result, dead_rank):
+def _assert_replica_left_whole_and_came_back(result, dead_rank, size=2):
+    """Rank `dead_rank` died in a generation of 2 replicas of `size` workers: its replica-mates were
+    taken out, the other replica healed in place, and a new replica grew the run back."""
     formed = result.events_of("generation_formed")
-    before = next(e for e in formed if e["world_size"] == 4)
-    dead = before["members"][dead_rank]["worker_id"]
-    mate = before["members"][dead_rank ^ 1]["worker_id"]  # the other stage of the same replica
-    released = [e for e in result.events_of("worker_failed") if e["kind"] == "replica"]
-    assert [e["worker_id"] for e in released] == [mate], "the dead worker's replica-mate was not taken out"
+    before = next(e for e in formed if e["world_size"] == 2 * size)
+    ids = [m["worker_id"] for m in before["members"]]
+    replica = dead_rank // size * size
+    lost = ids[replica:replica + size]
+    mates = sorted(w for w in lost if w != ids[dead_rank])
+    released = sorted(e["worker_id"] for e in result.events_of("worker_failed") if e["kind"] == "replica")
+    assert released == mates, "the dead worker's replica-mates were not taken out"
     heal = next(e for e in formed if e["kind"] == "heal")
-    survivors = [m["worker_id"] for m in before["members"] if m["worker_id"] not in (dead, mate)]
+    survivors = [w for w in ids if w not in lost]
     assert [m["worker_id"] for m in heal["members"]] == survivors, "the surviving replica did not heal in place"
-    assert heal["world_size"] == 2
-    regrown = [e for e in formed if e["generation"] > heal["generation"] and e["world_size"] == 4]
+    assert heal["world_size"] == size
+    regrown = [e for e in formed if e["generation"] > heal["generation"] and e["world_size"] == 2 * size]
     assert regrown and regrown[0]["kind"] == "grow", "no new replica joined"
-    assert [m["worker_id"] for m in regrown[0]["members"]][:2] == survivors, "the survivors did not keep ranks 0-1"
+    assert [m["worker_id"] for m in regrown[0]["members"]][:size] == survivors, "the survivors did not keep their ranks"
     recovery = result.events_of("recovery")
     assert recovery and not any(r["from_checkpoint"] for r in recovery), "the run restarted instead of healing"
 
@@ -123,7 +134,7 @@ def test_a_tensor_parallel_workers_death_takes_out_its_replica_the_other_heals_a
         local_ray, tmp_path, mlp_reference, where):
     rank = 3 if where == "step_start" else 2
     result = _fit(tmp_path, "tp", faults=[Fault(kind="kill", rank=rank, step=8, where=where)], regrow=True,
-                  tensor_parallel=True)
+                  pipeline_stages=1, tensor_parallel=2)
     _assert_replica_left_whole_and_came_back(result, dead_rank=rank)
     _assert_exactly_once(result.value["ledger"])
     checkpoint = Checkpoint.from_path(result.checkpoint.path)
@@ -134,15 +145,25 @@ def test_a_tensor_parallel_workers_death_takes_out_its_replica_the_other_heals_a
     assert _max_diff(checkpoint.model_state_dict(), mlp_reference) < 1e-9
 
 
-def test_slow_steps_heal_a_stage_worker_sigkilled_from_outside_inside_a_step(local_ray, tmp_path, reference):
+# (pipeline_stages, tensor_parallel, victim): CI kills a pipelined stage; the soak a tensor-parallel
+# rank, and a 3D replica's worker.
+SHAPES = [(2, 1, 2), pytest.param(1, 2, 2, marks=pytest.mark.soak), pytest.param(2, 2, 5, marks=pytest.mark.soak)]
+
+
+@pytest.mark.parametrize("stages, tensor_parallel, victim", SHAPES, ids=["pp", "tp", "3d"])
+def test_slow_steps_heal_a_replicas_worker_sigkilled_from_outside_inside_a_step(local_ray, tmp_path, references,
+                                                                                stages, tensor_parallel, victim):
+    size = stages * tensor_parallel
     killer = OutsideKiller("mid-step", str(tmp_path), "sigkill", SimpleNamespace(compute_s=SLOW_STEP_S), seed=3,
-                           victim=2, world_size=4, from_step=6)
+                           victim=victim, world_size=2 * size, from_step=6)
     killer.start()
-    result = _fit(tmp_path, "sigkill", compute_s=SLOW_STEP_S, regrow=True)
+    result = _fit(tmp_path, "sigkill", compute_s=SLOW_STEP_S, regrow=True, pipeline_stages=stages,
+                  tensor_parallel=tensor_parallel)
     assert killer.done.wait(60) and killer.killed, "the outside kill never happened"
-    _assert_replica_left_whole_and_came_back(result, dead_rank=2)
+    _assert_replica_left_whole_and_came_back(result, dead_rank=victim, size=size)
     _assert_exactly_once(result.value["ledger"])
-    assert _max_diff(Checkpoint.from_path(result.checkpoint.path).model_state_dict(), reference) < 1e-9
+    plain = references[(stages, tensor_parallel)]
+    assert _max_diff(Checkpoint.from_path(result.checkpoint.path).model_state_dict(), plain) < 1e-9
 
 
 @pytest.fixture(scope="module")
@@ -184,35 +205,12 @@ def test_a_pipelined_checkpoint_is_refused_by_a_run_of_another_number_of_stages_
         written.load_state("stage-2")
 
 
-def test_a_3d_replica_loses_a_worker_leaves_whole_and_a_new_one_joins(local_ray, tmp_path):
-    trainer = ElasticTrainer(
-        pipeline_loop,
-        # Held at step 1 until both replicas started, and at 12 until the new one's workers did.
-        train_loop_config={"max_steps": MAX_STEPS, "gate": (1, str(tmp_path / "started")),
-                           "gates": [(12, str(tmp_path / "regrown"))]},
-        scaling_config=ScalingConfig(pipeline_stages=2, tensor_parallel=2, min_replicas=1, max_replicas=2),
-        run_config=RunConfig(name="3d", storage_path=str(tmp_path), checkpoint_config=CheckpointConfig(every_steps=8)),
-        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=MAX_STEPS),
-        strategy=Strategy(pipeline_schedule="1f1b", pipeline_microbatches=4),
-        faults=[Fault(kind="kill", rank=5, step=8, where="allreduce")],  # replica 1's stage 0, tp rank 1
-        show_progress=False,
-    )
-    result = fit_held(trainer, workers_started(2 * REPLICA_3D), workers_started(3 * REPLICA_3D))
-
-    formed = result.events_of("generation_formed")
-    before = next(e for e in formed if e["world_size"] == 2 * REPLICA_3D)
-    ids = [m["worker_id"] for m in before["members"]]
-    released = sorted(e["worker_id"] for e in result.events_of("worker_failed") if e["kind"] == "replica")
-    assert released == sorted(w for w in ids[4:] if w != ids[5]), "the dead worker's 3 replica-mates were not taken out"
-    heal = next(e for e in formed if e["kind"] == "heal")
-    assert [m["worker_id"] for m in heal["members"]] == ids[:4], "replica 0 did not heal in place alone"
-    regrown = [e for e in formed if e["generation"] > heal["generation"] and e["world_size"] == 2 * REPLICA_3D]
-    assert regrown and regrown[0]["kind"] == "grow" and [m["worker_id"] for m in regrown[0]["members"]][:4] == ids[:4]
-    assert not any(r["from_checkpoint"] for r in result.events_of("recovery"))
-    ledger = result.value["ledger"]
-    assert torch.equal(ledger, torch.ones(MAX_STEPS // STEPS_PER_EPOCH, ledger.shape[1], dtype=ledger.dtype))
+def test_a_3d_replica_loses_a_worker_leaves_whole_and_a_new_one_joins(local_ray, tmp_path, references):
+    # Replica 1's stage 0, tensor-parallel rank 1, dies inside its average.
+    result = _fit(tmp_path, "3d", faults=[Fault(kind="kill", rank=5, step=8, where="allreduce")], regrow=True,
+                  tensor_parallel=2)
+    _assert_replica_left_whole_and_came_back(result, dead_rank=5, size=REPLICA_3D)
+    _assert_exactly_once(result.value["ledger"])
     checkpoint = Checkpoint.from_path(result.checkpoint.path)
     assert checkpoint.parts == ["stage-0-tp-0", "stage-0-tp-1", "stage-1-tp-0", "stage-1-tp-1"]
-    params, reference = checkpoint.model_state_dict(), plain_reference(MAX_STEPS, build=build_3d_mlp)
-    assert params.keys() == reference.keys()
-    assert max((params[k] - reference[k]).abs().max().item() for k in reference) < 1e-9
+    assert _max_diff(checkpoint.model_state_dict(), references[(2, 2)]) < 1e-9
