@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
-from workloads import GLOBAL_BATCH, STEPS_PER_EPOCH, OutsideKiller, regression_loop
+from workloads import GLOBAL_BATCH, STEPS_PER_EPOCH, OutsideKiller, fit_held, regression_loop, workers_started
 
 PARAM_TOLERANCE = 1e-9
 CHECKPOINT_EVERY = 8
@@ -50,6 +50,7 @@ class Cell:
     kill: str = ""  # an outside SIGKILL: "mid-step", "ranks1-2-within-100ms", "rank0", "newcomer", "all"
     restart: bool = False  # a restart from the checkpoint is the documented outcome
     victims: int = 1  # workers that die
+    newcomer: bool = False  # the fault lands on a replacement's grow: training waits until it started
 
 
 CELLS = {
@@ -59,13 +60,16 @@ CELLS = {
     "heal-formation": Cell(faults=(Fault(kind="kill", rank=2, step=12), Fault(kind="kill", rank=1, step=12, where="barrier")),
                            victims=2),
     "grow-before-newcomer-joined": Cell(faults=(Fault(kind="kill", rank=2, step=4),
-                                                Fault(kind="kill", rank=0, step=5, where="prepare")), victims=2),
+                                                Fault(kind="kill", rank=0, step=5, where="prepare")),
+                                        victims=2, newcomer=True),
     "grow-after-newcomer-joined": Cell(faults=(Fault(kind="kill", rank=2, step=4),
-                                               Fault(kind="kill", rank=1, step=5, where="barrier")), victims=2),
+                                               Fault(kind="kill", rank=1, step=5, where="barrier")),
+                                       victims=2, newcomer=True),
     "checkpoint-write": Cell(faults=(Fault(kind="checkpoint-crash", rank=1, step=16),)),
     "two-deaths-within-100ms": Cell(kill="ranks1-2-within-100ms", victims=2),
     "rank-0": Cell(kill="rank0"),
-    "newcomer-right-after-it-joined": Cell(faults=(Fault(kind="kill", rank=2, step=4),), kill="newcomer", victims=2),
+    "newcomer-right-after-it-joined": Cell(faults=(Fault(kind="kill", rank=2, step=4),), kill="newcomer", victims=2,
+                                           newcomer=True),
     "controller-during-formation": Cell(faults=(Fault(kind="kill", rank=1, step=12),
                                                 Fault(kind="controller-kill", step=12, where="formation")),
                                         restart=True),
@@ -79,11 +83,18 @@ SLOW_CELLS = ("mid-step-sigkill", "newcomer-right-after-it-joined",
 
 pytestmark = pytest.mark.timeout(240)
 
+# Training is held after step 0 until the run's 3 workers started: a start that formed without a
+# slow one takes it in by step 3 (the grow's switch step), so a fault on rank 2 at step 4 finds it
+# however slowly actors start. A newcomer cell is held again after step 6 (past the death at
+# step 4) until the replacement started, so the grow it targets happens before the end.
+STARTED_GATE, NEWCOMER_GATE = 0, 6
 
-def _trainer(tmp_path, name, pace, workers, faults=()):
+
+def _trainer(tmp_path, name, pace, workers, faults=(), gates=()):
     return ElasticTrainer(
         regression_loop,
-        train_loop_config={"max_steps": pace.max_steps, "compute_s": pace.compute_s, "sleep_s": 0.005},
+        train_loop_config={"max_steps": pace.max_steps, "compute_s": pace.compute_s, "sleep_s": 0.005,
+                           "gates": [(step, str(tmp_path / f"{name}-gate-{step}")) for step in gates]},
         scaling_config=ScalingConfig(min_workers=workers[0], max_workers=workers[1]),
         run_config=RunConfig(
             name=name, storage_path=str(tmp_path),
@@ -107,7 +118,11 @@ def run_cell(name, cell, pace, reference, tmp_path):
     killer = OutsideKiller(cell.kill, str(tmp_path), run_name, pace, seed=len(name)) if cell.kill else None
     if killer:
         killer.start()
-    result = _trainer(tmp_path, run_name, pace, (1, 3), cell.faults).fit()
+    gates, conditions = [STARTED_GATE], [workers_started(3)]
+    if cell.newcomer:
+        gates.append(NEWCOMER_GATE)
+        conditions.append(workers_started(4))
+    result = fit_held(_trainer(tmp_path, run_name, pace, (1, 3), cell.faults, gates), *conditions)
     if killer:
         assert killer.done.wait(5) and killer.killed, "the outside kill never happened"
     assert result.step == pace.max_steps

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from elastic import DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig
-from workloads import GLOBAL_BATCH, NUM_SAMPLES, STEPS_PER_EPOCH, regression_loop
+from workloads import GLOBAL_BATCH, NUM_SAMPLES, STEPS_PER_EPOCH, fit_held, regression_loop, workers_started
 
 MAX_STEPS = 40 * STEPS_PER_EPOCH
 KILL_STEP = 16
@@ -20,23 +20,26 @@ PARAM_TOLERANCE = 1e-9
 pytestmark = pytest.mark.timeout(240)
 
 
-def _fit(tmp_path, name, min_workers, max_workers, faults=()):
+def _trainer(tmp_path, name, min_workers, max_workers, faults=(), **config):
     return ElasticTrainer(
         regression_loop,
-        train_loop_config={"max_steps": MAX_STEPS, "sleep_s": 0.02},
+        train_loop_config={"max_steps": MAX_STEPS, "sleep_s": 0.02, **config},
         scaling_config=ScalingConfig(min_workers=min_workers, max_workers=max_workers),
         run_config=RunConfig(name=name, storage_path=str(tmp_path)),
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=MAX_STEPS, seed=7),
         faults=list(faults),
         show_progress=False,
-    ).fit()
+    )
 
 
 @pytest.fixture(scope="module")
 def runs(local_ray, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("healing")
-    faulty = _fit(tmp, "kill-and-regrow", 2, 3, [Fault(kind="kill", rank=1, step=KILL_STEP, where="allreduce")])
-    reference = _fit(tmp, "reference", 2, 2)
+    # Held after the heal until the replacement started, so it regrows before the end
+    # however slowly this machine starts actors.
+    faulty = fit_held(_trainer(tmp, "kill-and-regrow", 2, 3, [Fault(kind="kill", rank=1, step=KILL_STEP, where="allreduce")],
+                               gate=(KILL_STEP + 2, str(tmp / "replacement-started"))), workers_started(4))
+    reference = _trainer(tmp, "reference", 2, 2).fit()
     return faulty, reference
 
 

@@ -360,11 +360,11 @@ def hold_at_gate(config: dict, step_index: int) -> None:
 def fit_held(trainer, until, *more):
     """`trainer.fit()` with its loop held at its gate (train_loop_config["gate"]) until
     `until(events)` holds, so a test waits for a state of the run (a worker started) instead
-    of racing it on a slow machine. With `more`, train_loop_config["gates"] lists further
-    gates, in order, and `more` the condition of each."""
+    of racing it on a slow machine. train_loop_config["gates"] lists further gates (or, with
+    no "gate", all of them), in order, and `more` the condition of each."""
     config = trainer.train_loop_config
-    gates = [(gate[1], condition) for gate, condition in zip([config["gate"], *config.get("gates", ())],
-                                                                [until, *more], strict=True)]
+    listed = [*([config["gate"]] if "gate" in config else []), *config.get("gates", ())]
+    gates = [(gate[1], condition) for gate, condition in zip(listed, [until, *more], strict=True)]
     run = concurrent.futures.ThreadPoolExecutor(1).submit(trainer.fit)
     storage = RunStorage(trainer.run_config.storage_path, trainer.run_config.name, trainer.run_config.storage_filesystem)
     for gate_file, condition in gates:
@@ -451,7 +451,11 @@ class OutsideKiller(threading.Thread):
     def run(self):
         try:
             if self.kind == "newcomer":
-                grow = self._wait_for(lambda e: e["type"] == "generation_formed" and e["kind"] == "grow")
+                # The replacement's grow: the start may have formed without a slow worker, which a
+                # grow then took in before anyone died.
+                failed = self._wait_for(lambda e: e["type"] == "worker_failed")
+                grow = self._wait_for(lambda e: e["type"] == "generation_formed" and e["kind"] == "grow"
+                                      and e["time"] > failed["time"])
                 self._kill(grow["members"][-1]["pid"])
                 return
             self._wait_for_step(self.from_step if self.kind != "all" else 20)
