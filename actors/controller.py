@@ -38,7 +38,6 @@ from elastic.states import Failed, Formation
 from elastic.storage import RunStorage
 
 NODE_ID_LABEL = "ray.io/node-id"  # a label Ray gives every node
-PING_TIMEOUT_S = 2.0
 TICK_S = 0.5
 
 
@@ -83,6 +82,7 @@ class Controller:
             failures=max((e.get("failures", 0) for e in this_attempt if e["type"] == "decision"), default=0),
         )
         self.handles: dict[int, Any] = {}
+        self.refused: set[tuple[int, str]] = set()  # (worker, kind) already journaled as fenced
         self.placement_groups: dict[int, PlacementGroup] = {}  # by replica, with pipeline_stages > 1
         self.avoided: set[str] = set()
         self.metrics = RunMetrics(spec.run.name)
@@ -136,7 +136,7 @@ class Controller:
 
     # --- called by workers ---------------------------------------------------------------
     async def worker_ready(self, worker_id: int, info: dict[str, Any]) -> None:
-        self.inbox.put_nowait(signals.WorkerReady(worker_id, info["node_id"], info["pid"], info["host"]))
+        self.inbox.put_nowait(signals.WorkerReady(worker_id, info["node_id"], info["pid"], info["host"], info["binds"]))
 
     async def group_broken(self, worker_id: int, generation: int) -> None:
         self.inbox.put_nowait(signals.GroupBroken(worker_id, generation))
@@ -149,6 +149,8 @@ class Controller:
             checkpointed=self.latest_checkpoint is not None))
 
     async def ingest(self, worker_id: int, items: list[dict[str, Any]]) -> None:
+        if self._fenced(worker_id, "reports"):
+            return
         self.progress.ingest(worker_id, items)
         self.protocol.note_step(self.progress.reported_step)
 
@@ -166,8 +168,10 @@ class Controller:
             # Die after this call has answered, like a crash: no cleanup. Ray restarts the actor.
             asyncio.get_running_loop().call_later(0.05, os._exit, 1)
 
-    async def shard_written(self, report: dict[str, Any]) -> None:
+    async def shard_written(self, worker_id: int, report: dict[str, Any]) -> None:
         """A rank finished (or failed) writing its shard; the last one completes the checkpoint."""
+        if self._fenced(worker_id, "checkpoint_shard", step=report["step"], generation=report["generation"]):
+            return
         self.inbox.put_nowait(signals.ShardWritten(report["rank"], report["step"]))
         if "error" in report:
             self.journal.emit("checkpoint_skipped", step=report["step"],
@@ -178,6 +182,19 @@ class Controller:
             self.latest_checkpoint, event = saved
             self.metrics.checkpoint_saved(event["stall_s"])
             self.journal.emit("checkpoint_saved", **event)
+
+    def _fenced(self, worker_id: int, refused: str, **fields: Any) -> bool:
+        """Refuse what a worker the controller gave up on sends (`Protocol.fenced`): cut off by
+        the network, it may run on for minutes in a generation that has moved on. Journaled
+        once per worker and kind of report."""
+        if not self.protocol.fenced(worker_id):
+            return False
+        if (worker_id, refused) not in self.refused:
+            self.refused.add((worker_id, refused))
+            self.journal.emit("fenced", worker_id=worker_id, refused=refused, **fields,
+                              reason=f"the controller gave up on worker {worker_id} "
+                              f"({self.protocol.workers[worker_id].evicted_for}): nothing it sends counts")
+        return True
 
     # --- carrying out the protocol's actions -----------------------------------------------
     async def _execute(self, actions: list[signals.Action]) -> None:
@@ -242,7 +259,8 @@ class Controller:
 
     async def _poll(self, members: tuple[int, ...]) -> None:
         async def one(worker_id: int) -> signals.WorkerProgress | None:
-            answer = await _answer_within(self.handles[worker_id].progress.remote(), PING_TIMEOUT_S)
+            answer = await _answer_within(self.handles[worker_id].progress.remote(),
+                                          self.spec.run.failure_config.ping_timeout_s)
             return signals.WorkerProgress(**answer) if answer else None
 
         answers = await asyncio.gather(*(one(w) for w in members))
@@ -321,8 +339,9 @@ class Controller:
                 if straggler:
                     for times in self.progress.compute.values():
                         times.clear()  # judge the next generation on its own steps
+            reach = policies.reach_deadline(self.progress.step_times, config.reach_floor_s)
             self.inbox.put_nowait(signals.Tick(self.progress.reported_step, self.progress.last_step_time, deadline,
-                                               straggler))
+                                               reach, straggler))
             self.metrics.update(self.progress.step_times, len(self.protocol.members), self.progress.samples_per_s(),
                                 self.progress.step, self._goodput())
             sample = self.progress.sample()

@@ -21,6 +21,7 @@ import psutil
 import ray
 import torch
 
+from elastic.binding import bind_collectives_to
 from elastic.checkpoint import CheckpointWriter
 from elastic.config import CheckpointConfig, DataConfig, Strategy
 from elastic.context import TrainContext, _set_current
@@ -67,12 +68,13 @@ class Worker:
             on_formed=lambda g, outcome: controller.formed.remote(worker_id, g, outcome),
         )
         # Both calls block their (background or dying) caller until the controller has the news.
-        writer = CheckpointWriter(storage, on_written=lambda report: ray.get(controller.shard_written.remote(report)))
+        writer = CheckpointWriter(storage, on_written=lambda report: ray.get(controller.shard_written.remote(worker_id, report)))
         self.ctx = TrainContext(
             data_config, self.mailbox, faults, self._reports.append, use_gpu, checkpoint_config, writer,
             on_fault=self._on_fault, strategy=strategy, shape=shape, slot=slot,
             latest_checkpoint=lambda: ray.get(controller.latest_checkpoint_of_run.remote()),
         )
+        self.binds = ""  # set when the run starts (elastic.binding)
         self._stop = threading.Event()
         threading.Thread(target=self._flush_loop, daemon=True, name="elastic-reports").start()
 
@@ -81,6 +83,7 @@ class Worker:
         """Run the train loop to its end; returns an outcome instead of raising user errors."""
         _set_current(self.ctx)
         try:
+            self.binds = bind_collectives_to(ray.util.get_node_ip_address())
             takes_config = len(inspect.signature(train_loop).parameters) > 0
             value = train_loop(config) if takes_config else train_loop()
             return {"outcome": "finished", "step": self.ctx.step, "value": _picklable(value)}
@@ -124,6 +127,7 @@ class Worker:
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "binds": self.binds,
             "step": self.ctx.step,
             "generation": self.ctx.generation,
         }

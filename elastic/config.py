@@ -216,6 +216,14 @@ class FailureConfig(_Frozen):
         20.0, gt=1, description="A run is stalled when no step commits for this many median step times."
     )
     hang_floor_s: float = Field(10.0, gt=0, description="The stall deadline is never shorter than this.")
+    ping_timeout_s: float = Field(
+        1.0, gt=0, description="A member that answers no ping within this while the run stalls is unreachable "
+        "(dead, or alive behind a link that is down) and is healed around like a death."
+    )
+    reach_floor_s: float = Field(
+        0.5, gt=0, description="Members are pinged once no step has committed for 1.5 median step times, "
+        "never sooner than this."
+    )
     hang_ceiling_s: float = Field(
         600.0, gt=0, description="The stall deadline is never longer than this (and is this until steps are measured)."
     )

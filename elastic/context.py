@@ -43,6 +43,7 @@ from elastic.errors import ElasticError, StateLostError, UnweightedBackwardError
 from elastic.faults import Fault
 from elastic.flat_state import reduce_in_place
 from elastic.injection import FaultInjector
+from elastic.links import GroupLinks
 from elastic.group import (
     ABORTABLE_FROM_WORLD_SIZE,
     PEER_ABORT_MARKER,
@@ -139,7 +140,8 @@ class TrainContext:
         self._arrived = -1  # the newest generation whose barrier this rank reached
         self._train_thread: int | None = None
         self._waiting_on_checkpoint = False
-        self._group: tuple[int, dist.ProcessGroup] | None = None
+        # The current generation's number, default group and connections (to sever, `abort_stale_group`).
+        self._group: tuple[int, dist.ProcessGroup, GroupLinks] | None = None
         self._gradient_all_reduce: GradientAllReduce | None = None  # the current group's, abortable
         self._collectives: Collectives | None = None  # the train loop's, for the current generation
         self._holds_state = False  # synced in a generation before: holds the run's live state
@@ -711,14 +713,17 @@ class TrainContext:
         arrived = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        form_group(spec, store)
-        with self._group_lock:
-            self._group = (spec.generation, dist.group.WORLD)
-        abortable = spec.backend == "gloo" and spec.world_size >= ABORTABLE_FROM_WORLD_SIZE
         groups: dict[str, dist.ProcessGroup] = {}
-        if self.in_replicas:
-            groups = self._replica_groups(spec)
-            abortable = spec.backend == "gloo"
+
+        def connect() -> None:
+            form_group(spec, store)
+            if self.in_replicas:
+                groups.update(self._replica_groups(spec))
+
+        links = GroupLinks.opened_by(connect)
+        with self._group_lock:
+            self._group = (spec.generation, dist.group.WORLD, links)
+        abortable = spec.backend == "gloo" and (spec.world_size >= ABORTABLE_FROM_WORLD_SIZE or self.in_replicas)
         data_group = groups.get("dp")
         if self._tensor is not None:
             # Before any state moves: the state is this generation's local slices.
@@ -818,9 +823,11 @@ class TrainContext:
 
     def abort_stale_group(self, newer_generation: int) -> None:
         """Abort the collectives of a generation older than `newer_generation`, from the control
-        thread: the train thread may wait in one of them for a dead peer. On NCCL that is the
-        communicator of the group captured when it formed, so the one replacing it is never
-        hit; on gloo, the generation's gradient all-reduces (`GradientAllReduce`)."""
+        thread: the train thread may wait in one of them for a peer that died or was cut off. On
+        NCCL that is the communicator of the group captured when it formed, so the one replacing
+        it is never hit; on gloo, the generation's gradient all-reduces (`GradientAllReduce`) and
+        its connections (`GroupLinks.sever`), which fails any gloo call still waiting on a peer
+        that sends nothing."""
         with self._group_lock:
             stale = self._group if self._group and self._group[0] < newer_generation else None
         collectives = self._gradient_all_reduce
@@ -828,7 +835,10 @@ class TrainContext:
             collectives.abort(f"{PEER_ABORT_MARKER}: the controller offered generation {newer_generation} "
                               f"in place of {collectives.generation}, which lost a member")
         if stale is not None:
-            abort_communicator(stale[1])
+            _, group, links = stale
+            abort_communicator(group)
+            if self.spec is not None and self.spec.backend == "gloo":
+                links.sever()
 
     def _enter_sync(self, step: Step) -> None:
         """The step's gradient-syncing backward starts: this rank's own compute is done.

@@ -12,6 +12,8 @@ from typing import Literal, Sequence
 
 # Step times measured before the stall deadline follows them instead of the ceiling.
 MIN_STEP_SAMPLES = 5
+# A step that takes this many median steps without committing is worth a ping of every member.
+REACH_FACTOR = 1.5
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,16 @@ def hang_deadline(step_times: Sequence[float], factor: float, floor_s: float, ce
     if len(step_times) < MIN_STEP_SAMPLES:
         return ceiling_s
     return min(ceiling_s, max(floor_s, factor * statistics.median(step_times)))
+
+
+def reach_deadline(step_times: Sequence[float], floor_s: float) -> float:
+    """How long the run may go without committing a step before its members are pinged:
+    REACH_FACTOR median steps, never under `floor_s` (and `floor_s` until steps are measured).
+    A ping costs a call per member, and one that answers is left alone until the hang deadline,
+    so this can be short: it is what bounds the time to see a member cut off by the network."""
+    if len(step_times) < MIN_STEP_SAMPLES:
+        return floor_s
+    return max(floor_s, REACH_FACTOR * statistics.median(step_times))
 
 
 def find_hung(progress: dict[int, tuple[int, ...] | None]) -> list[int]:

@@ -55,7 +55,7 @@ class WorkerRecord:
     node: str = ""
     pid: int = 0
     holds_state: bool = False  # was a member of a committed generation: holds live run state
-    evicted_for: str = ""  # the controller killed it (hang, stuck, straggler): its death is expected
+    evicted_for: str = ""  # the controller gave up on it (unreachable, hang, straggler): its death is expected
 
 
 @dataclass
@@ -82,7 +82,11 @@ class Protocol:
     committed_at_step: int = -1
     first_ready_at: float | None = None
     polling: bool = False
+    judging_hang: bool = False  # the poll under way is past the hang deadline, not only a ping
+    pinged_at: float = 0.0  # when the members were last pinged for a stall short of the hang deadline
     stalled_s: float = 0.0  # how long the run had gone without progress when it was polled
+    stalled_since: float = 0.0  # the last progress before that stall
+    detect_s: float = 0.0  # how long the failure being healed went unseen (an unreachable member's stall)
     deadline_s: float = 0.0  # the hang deadline it was past
 
     # --- entry points ---------------------------------------------------------------------
@@ -118,7 +122,7 @@ class Protocol:
             return []
         record.status, record.node, record.pid = Status.IDLE, obs.node, obs.pid
         self.first_ready_at = self.first_ready_at or now
-        started = {"worker_id": obs.worker_id, "node": obs.node, "pid": obs.pid, "host": obs.host}
+        started = {"worker_id": obs.worker_id, "node": obs.node, "pid": obs.pid, "host": obs.host, "binds": obs.binds}
         if self.scaling.replica_size > 1:
             started["replica"] = obs.worker_id // self.scaling.replica_size
         actions = [Emit("worker_started", started)]
@@ -245,10 +249,15 @@ class Protocol:
                 return self._enter(Failed(message, "capacity"), "capacity timeout")
             return self._reconcile(now)
         stalled = now - max(obs.last_step_at, self.progress_at)
-        if stalled <= obs.deadline_s or self.polling:
+        if self.polling:
             return []
-        self.polling = True
-        self.stalled_s, self.deadline_s = stalled, obs.deadline_s
+        # Past the short reach deadline the members are only pinged: one that answers is left
+        # alone until the hang deadline, one that does not is unreachable (`_on_polled`).
+        hang = stalled > obs.deadline_s
+        if not hang and now - max(obs.last_step_at, self.progress_at, self.pinged_at) <= obs.reach_deadline_s:
+            return []
+        self.polling, self.judging_hang, self.pinged_at = True, hang, now
+        self.stalled_s, self.deadline_s, self.stalled_since = stalled, obs.deadline_s, now - stalled
         watched = state.formation.members if isinstance(state, Forming) else self.members
         return [PollProgress(tuple(w for w in watched if self.workers[w].status != Status.GONE))]
 
@@ -258,22 +267,27 @@ class Protocol:
 
     def _on_polled(self, obs: ProgressPolled, now: float) -> list[Action]:
         self.polling = False
+        actions = self._lose_unreachable(obs, now)
+        if not self.judging_hang or isinstance(self.state, TERMINAL):
+            return actions
         self.progress_at = now
         if any(p is not None and p.checkpointing for p in obs.answers.values()):
-            return []  # an upload holds the run up: that is progress, not a hang
+            return actions  # an upload holds the run up: that is progress, not a hang
         state = self.state
-        suspects = dict(obs.answers)
+        suspects = {w: p for w, p in obs.answers.items() if p is not None}
         if isinstance(state, Forming):
             # Those at the barrier wait for the others; only the ones that never came can be hung.
             acked = dict(state.acked)
             suspects = {w: p for w, p in suspects.items()
                         if w not in acked and (p is None or p.arrived < state.formation.generation)}
-        hung = policies.find_hung({w: p and (p.step, p.entered_sync, p.launched) for w, p in suspects.items()})
+        if actions:
+            return actions  # the members waited on an unreachable peer: the heal releases them
+        hung = policies.find_hung({w: (p.step, p.entered_sync, p.launched) for w, p in suspects.items()})
         # In a formation, the members that never came are the culprits even when alike: a
         # formation takes milliseconds once everyone is there. In a running generation, alike
         # members that all answer may just be in a long evaluation.
         forming = isinstance(state, Forming)
-        if not forming and set(hung) == set(suspects) and all(p is not None for p in suspects.values()):
+        if not forming and set(hung) == set(suspects):
             blocked = sorted({p.blocked_in for p in suspects.values()})
             if all(blocked):
                 return self._collective_deadlock(blocked, now)
@@ -281,13 +295,33 @@ class Protocol:
                 # Everyone answers and nobody is behind (a long evaluation, a slow filesystem):
                 # nothing points at a culprit, so only the ceiling ends the wait.
                 return []
-        actions: list[Action] = []
         for worker_id in hung:
-            kind = "stuck" if suspects[worker_id] is None else "hang"
-            why = ("answered no ping" if kind == "stuck" else
-                   f"was behind its peers at {suspects[worker_id]}, past the hang deadline")
-            actions += self._evict(worker_id, kind, why, detect_s=self.stalled_s, deadline_s=self.deadline_s)
+            why = f"was behind its peers at {suspects[worker_id]}, past the hang deadline"
+            actions += self._evict(worker_id, "hang", why, detect_s=self.stalled_s, deadline_s=self.deadline_s)
         return actions
+
+    def _lose_unreachable(self, obs: ProgressPolled, now: float) -> list[Action]:
+        """Members that answered no ping are unreachable (dead, or alive behind a link that is down):
+        each is lost now, like a death, so the heal releases the members waiting on it; it is
+        killed too, and nothing it sends later counts (`fenced`). Ray itself would call its node
+        dead only after about a minute of failed health checks."""
+        actions: list[Action] = []
+        for worker_id, answer in obs.answers.items():
+            if answer is not None or self.workers[worker_id].status == Status.GONE or isinstance(self.state, TERMINAL):
+                continue
+            # The survivors stood still since the last committed step: the recovery counts from there.
+            self.failure_at = min(self.failure_at or now, self.stalled_since)
+            self.detect_s = max(self.detect_s, now - self.stalled_since)
+            why = f"answered no ping within FailureConfig(ping_timeout_s={self.failure.ping_timeout_s})"
+            actions += self._evict(worker_id, "unreachable", why, detect_s=now - self.stalled_since)
+            actions += self._lose(worker_id, now)
+        return actions
+
+    def fenced(self, worker_id: int) -> bool:
+        """Whether what `worker_id` sends must be refused: the controller gave up on it (it was
+        unreachable, hung or evicted), so it may still run, cut off, on a generation that moved on."""
+        record = self.workers.get(worker_id)
+        return record is not None and bool(record.evicted_for)
 
     # --- decisions --------------------------------------------------------------------------
     def _reconcile(self, now: float) -> list[Action]:
@@ -359,8 +393,9 @@ class Protocol:
                 "decide_s": formation.decided_at - self.failure_at, **phases,
                 "steps_lost": max(rolled_back, *(r.steps_lost for r in acked.values())),
                 "world_size": len(formation.members), "from_checkpoint": formation.reason == Reason.RESTART,
+                "detect_s": self.detect_s,
             }))
-        self.failure_at = None  # a grow that commits after a break took the broken members in too
+        self.failure_at, self.detect_s = None, 0.0  # a grow that commits after a break took the broken members in too
         if formation.reason == Reason.RESTART:
             # Back at a checkpoint: the steps it replays are progress again, for the crash-loop bound.
             self.committed_step = self.committed_at_step = first.step

@@ -28,6 +28,7 @@ class WorkerReady:
     node: str
     pid: int
     host: str = ""
+    binds: str = ""  # the address its collective groups bind (elastic.binding)
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,14 @@ class FormedReport:
 @dataclass(frozen=True)
 class Tick:
     """Time passes. `last_step_at`: when the newest committed step was reported;
-    `deadline_s`: how long the run may go without one (from measured step times);
-    `straggler`: what `policies.find_straggler` found."""
+    `deadline_s`: how long the run may go without one (from measured step times), the hang
+    deadline; `reach_deadline_s`: how long before the members are pinged for one that is
+    unreachable; `straggler`: what `policies.find_straggler` found."""
 
     step: int = 0
     last_step_at: float = 0.0
     deadline_s: float = float("inf")
+    reach_deadline_s: float = float("inf")
     straggler: tuple[int, str] | None = None  # a member to evict, with the reason
 
 

@@ -16,6 +16,7 @@ from elastic import context as context_module
 from elastic.config import DataConfig
 from elastic.context import TrainContext
 from elastic.group import NCCL_ERROR_HANDLING, NCCL_SURVIVOR_MODE
+from elastic.links import GroupLinks
 from elastic.mailbox import GenerationMailbox
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,11 +36,11 @@ def test_a_stale_abort_hits_the_captured_group_and_never_the_one_that_replaced_i
     ctx = TrainContext(DataConfig(global_batch_size=4, micro_batch_size=2, max_steps=1), GenerationMailbox(), [],
                        lambda report: None, use_gpu=False)
     old, new = object(), object()
-    ctx._group = (3, old)
+    ctx._group = (3, old, GroupLinks(frozenset()))
     ctx.abort_stale_group(3)
     assert aborted == [], "the current generation was aborted by an offer of itself"
     ctx.abort_stale_group(4)
     assert aborted == [old]
-    ctx._group = (4, new)  # the train thread formed generation 4 meanwhile
+    ctx._group = (4, new, GroupLinks(frozenset()))  # the train thread formed generation 4 meanwhile
     ctx.abort_stale_group(4)
     assert aborted == [old], "the replacement group was aborted"

@@ -1,0 +1,68 @@
+"""A peer cut off by the network sends no reset: severing the generation's connections frees
+whoever waits on it, in any collective, at any world size (no Ray).
+
+Rank 2 stays alive but never joins the second all-reduce, as a rank behind a link that is down.
+The others wait in a plain blocking `dist.all_reduce` (the train loop's own, which no comm hook
+can abort) under an hour's timeout, until another thread severs their links: the all-reduce
+fails as a peer failure, the store connection made before the group still works, and the same
+processes form the next generation and reduce correctly. Without the sever the test hangs and
+its timeout fails it.
+"""
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic.group import is_peer_failure
+from elastic.links import GroupLinks
+from gloo_processes import client, join, spawn
+
+pytestmark = pytest.mark.timeout(120)
+WORLD_SIZE = 3
+CUT_OFF_RANK = 2
+SEVER_AFTER_S = 0.3
+
+
+def _member(rank, port, results):
+    store = client(port)
+    links = GroupLinks.opened_by(lambda: dist.init_process_group(
+        "gloo", store=dist.PrefixStore("gen0", store), rank=rank, world_size=WORLD_SIZE, timeout=timedelta(hours=1)))
+    dist.all_reduce(torch.ones(4))  # every rank takes part once
+    if rank == CUT_OFF_RANK:
+        store.wait(["reformed/0", "reformed/1"])  # alive, silent, its sockets open
+        results[rank] = "cut off"
+        return
+    severed = []
+    threading.Timer(SEVER_AFTER_S, lambda: severed.append(links.sever())).start()
+    try:
+        dist.all_reduce(torch.ones(4))
+        raised = None
+    except RuntimeError as exc:
+        raised = exc
+    store.set(f"after-sever/{rank}", "the store connection predates the group: left alone")
+    join(store, 1, rank, WORLD_SIZE - 1)
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    store.set(f"reformed/{rank}", "1")
+    results[rank] = {"peer_failure": raised is not None and is_peer_failure(raised), "severed": severed[0],
+                     "store_ok": store.get(f"after-sever/{rank}").decode().startswith("the store"),
+                     "next_sum": total.item()}
+
+
+def test_severing_a_generation_frees_a_blocking_all_reduce_waiting_on_a_silent_peer_and_the_next_forms():
+    results = spawn(_member, nprocs=WORLD_SIZE)
+    assert results[CUT_OFF_RANK] == "cut off"
+    for rank in (0, 1):
+        outcome = results[rank]
+        assert outcome["peer_failure"], f"rank {rank}: the all-reduce did not fail as a peer failure"
+        # At least its link to the cut-off rank; the other may already be closed by the peer's sever.
+        assert outcome["severed"] >= 1, f"rank {rank}: severed nothing"
+        assert outcome["store_ok"] and outcome["next_sum"] == 3.0
+
+
+def test_links_opened_elsewhere_are_not_recorded():
+    before = GroupLinks.opened_by(lambda: None)
+    assert before.inodes == frozenset() and before.sever() == 0
