@@ -16,10 +16,20 @@ _EXIT_STATUS = pytest.StashKey[int]()
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """One local Ray instance per test module; ray.init costs seconds here."""
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    """One local Ray instance, shared by every module that asks for it until a module that needs a
+    Ray of its own (a `Cluster`, metrics export, more CPUs) shuts it down with `own_ray`: ray.init
+    and ray.shutdown cost seconds each here. Runs end by killing their controller and workers,
+    so nothing of one module's runs is left to the next."""
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
-    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def own_ray():
+    """Make way for a module's own Ray instance: the shared one (`local_ray`) is shut down."""
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +45,8 @@ def s3():
 
 def pytest_sessionfinish(session, exitstatus):
     session.config.stash[_EXIT_STATUS] = int(exitstatus)
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.hookimpl(trylast=True)

@@ -1,16 +1,23 @@
-"""A driver for runs on a `NetworkCluster`, run inside its head's namespace by the network tests.
+"""Runs on a `NetworkCluster`: the driver the network tests run inside its head's namespace, and
+the scenario they and benchmarks/partition.py share.
 
     python tests/network_driver.py <run.json>
 
 `run.json` names the run (name, storage_path), its sizes (workers: [min, max]), the train
-loop's config (`workloads.regression_loop`: max_steps, compute_s, sleep_s, gate) and the
-FailureConfig's fields; the driver fits it and saves the result (step, params, ledger) to
-`out` with torch.save, for the test to compare.
+loop's config (`workloads.regression_loop`: max_steps, compute_s, sleep_s, gate, step_log) and
+the FailureConfig's fields; the driver fits it and saves the result (step, params, ledger) to
+`out` with torch.save.
 """
+
+from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 import torch
@@ -19,15 +26,113 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import workloads  # noqa: E402
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+from elastic.events import read_events  # noqa: E402
+from elastic.storage import RunStorage  # noqa: E402
 
-ray.cloudpickle.register_pickle_by_value(workloads)
+DRIVER = Path(__file__)
+CUT_AT_STEP = 20  # training is held here until every worker started (a slow start takes a grow first)
+RUN_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Pace:
+    compute_s: float  # a sleep inside each step, standing for its compute
+    max_steps: int
+    cut_after_s: float  # from the first generation of 3 to the cut: inside a step, past the first few
+
+
+FAST = Pace(compute_s=0.05, max_steps=30 * workloads.STEPS_PER_EPOCH, cut_after_s=0.4)  # 50 ms steps
+SLOW = Pace(compute_s=1.0, max_steps=3 * workloads.STEPS_PER_EPOCH, cut_after_s=2.5)
+
+
+@dataclass
+class Cut:
+    """What `cut_mid_step` saw: the outcome, the events, the first generation of 3, the victim, and
+    when (this machine's clock) the link went down."""
+
+    outcome: dict
+    events: list[dict]
+    first: dict
+    victim: dict
+    cut_at: float
+
+
+def spawn(cluster, folder: Path, name: str, workers: tuple[int, int], pace: Pace, gate: Path | None = None,
+          step_log: Path | None = None):
+    """Start a driver on the cluster's head for a run of `regression_loop`; its Popen."""
+    loop = {"max_steps": pace.max_steps, "compute_s": pace.compute_s, "sleep_s": 0.0}
+    if gate:
+        loop["gate"] = (CUT_AT_STEP, str(gate))
+    if step_log:
+        loop["step_log"] = str(step_log)
+    run = {"name": name, "storage_path": str(folder), "workers": list(workers), "loop": loop,
+           "out": str(folder / f"{name}.pt")}
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(run))
+    log = open(folder / f"{name}.log", "w")
+    return cluster.spawn_driver(DRIVER, [str(path)], stdout=log, stderr=log)
+
+
+def result(driver, folder: Path, name: str) -> dict:
+    driver.wait(RUN_TIMEOUT_S)
+    if driver.returncode != 0:
+        raise AssertionError(f"the driver failed: {(folder / f'{name}.log').read_text()[-3000:]}")
+    return torch.load(folder / f"{name}.pt", weights_only=True)
+
+
+def events(folder: Path, name: str) -> list[dict]:
+    return read_events(RunStorage(str(folder), name))
+
+
+def wait_for(folder: Path, name: str, condition, driver, timeout_s: float = RUN_TIMEOUT_S):
+    """The first truthy `condition(events)` while the driver runs."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and driver.poll() is None:
+        found = condition(events(folder, name))
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"{name}: the run never got there: {(folder / f'{name}.log').read_text()[-3000:]}")
+
+
+def node_of(event: dict, cluster) -> int:
+    """The cluster node a worker started on, from the address it bound (`worker_started.binds`)."""
+    address = re.search(r"\((198\.\d+\.\d+\.\d+)", event["binds"]).group(1)
+    return next(node for node in range(cluster.nodes) if cluster.node_ip(node) == address)
+
+
+def start_three(cluster, folder: Path, name: str, pace: Pace, step_log: Path | None = None):
+    """A run of 3 workers (min 2) once its first generation of 3 formed: (driver, that generation,
+    the node of its rank 2)."""
+    gate = folder / f"{name}-every-worker-started"
+    driver = spawn(cluster, folder, name, (2, 3), pace, gate=gate, step_log=step_log)
+    wait_for(folder, name, lambda found: len([e for e in found if e["type"] == "worker_started"]) >= 3, driver)
+    gate.touch()
+    first = wait_for(folder, name, lambda found: [e for e in found if e["type"] == "generation_formed"
+                                                  and e["world_size"] == 3][-1:], driver)[0]
+    started = {e["worker_id"]: e for e in events(folder, name) if e["type"] == "worker_started"}
+    return driver, first, node_of(started[first["members"][2]["worker_id"]], cluster)
+
+
+def cut_mid_step(cluster, folder: Path, pace: Pace, step_log: Path | None = None, name: str = "cut") -> Cut:
+    """A run of 3 workers whose rank 2's node is cut off inside a step, its link healed once the
+    survivors healed."""
+    driver, first, node = start_three(cluster, folder, name, pace, step_log)
+    time.sleep(pace.cut_after_s)
+    cut_at = time.time()
+    cluster.partition(node)
+    wait_for(folder, name, lambda found: [e for e in found if e["type"] == "recovery"], driver)
+    cluster.heal(node)  # the link comes back: the old worker must not come back with it
+    outcome = result(driver, folder, name)
+    return Cut(outcome, events(folder, name), first, first["members"][2], cut_at)
 
 
 def main(path: str) -> None:
+    ray.cloudpickle.register_pickle_by_value(workloads)
     run = json.loads(open(path).read())
     ray.init(log_to_driver=False)
     config = run["loop"]
-    result = ElasticTrainer(
+    fitted = ElasticTrainer(
         workloads.regression_loop,
         train_loop_config=config,
         scaling_config=ScalingConfig(min_workers=run["workers"][0], max_workers=run["workers"][1]),
@@ -40,7 +145,7 @@ def main(path: str) -> None:
                                max_steps=config["max_steps"], seed=3),
         show_progress=False,
     ).fit()
-    torch.save({"step": result.step, "params": result.value["params"], "ledger": result.value["ledger"]}, run["out"])
+    torch.save({"step": fitted.step, "params": fitted.value["params"], "ledger": fitted.value["ledger"]}, run["out"])
 
 
 if __name__ == "__main__":

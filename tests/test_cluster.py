@@ -23,7 +23,7 @@ POLL_S = 0.1
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(own_ray):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
     ray.init(address=cluster.address, log_to_driver=False)

@@ -21,7 +21,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(180)
-def test_step_time_world_size_throughput_and_goodput_are_scraped_from_prometheus(tmp_path):
+def test_step_time_world_size_throughput_and_goodput_are_scraped_from_prometheus(own_ray, tmp_path):
     port = _free_port()
     gate = tmp_path / "scraped-gate"
     ray.init(address="local", num_cpus=3, log_to_driver=False, _metrics_export_port=port,

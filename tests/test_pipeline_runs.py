@@ -29,7 +29,7 @@ REPLICA_3D = 4  # pipeline_stages x tensor_parallel
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def local_ray(own_ray):
     """The module's Ray: room for two replicas of 4 workers."""
     ray.init(address="local", num_cpus=2 * REPLICA_3D, include_dashboard=False, log_to_driver=False)
     yield

@@ -166,8 +166,12 @@ def test_easgd_rolls_a_mid_interval_death_back_restarts_every_rank_from_the_cent
                                                                        state["outer_sync"]["anchor"], strict=True)), step
 
 
-@pytest.mark.parametrize("strategy", [Strategy(precision="bf16"), Strategy(precision="fp16"),
-                                      Strategy(compression="fp16"), Strategy(compression="bf16")],
+# fp16 precision goes through a heal in CI below (the overflow test); bf16 compression is fp16's
+# with another dtype. Both run under -m soak, for the suite's time on 2 cores.
+@pytest.mark.parametrize("strategy", [Strategy(precision="bf16"),
+                                      pytest.param(Strategy(precision="fp16"), marks=pytest.mark.soak),
+                                      Strategy(compression="fp16"),
+                                      pytest.param(Strategy(compression="bf16"), marks=pytest.mark.soak)],
                          ids=["bf16", "fp16", "compress-fp16", "compress-bf16"])
 def test_reduced_precision_ends_within_one_percent_of_fp32_through_a_heal(local_ray, tmp_path, ddp_reference,
                                                                           strategy):
@@ -180,7 +184,8 @@ def test_reduced_precision_ends_within_one_percent_of_fp32_through_a_heal(local_
         assert result.value["comm_bytes"] > 0
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+# Under ZeRO-1 in CI: the skip is DDP's spread inf either way; plain DDP under -m soak.
+@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.soak), 1])
 def test_an_fp16_overflow_skips_the_step_on_every_rank_and_the_scaler_stays_shared_through_a_heal(local_ray, tmp_path,
                                                                                                   zero):
     # Rank 1's loss is inf at step 6: DDP spreads the inf to every rank's gradient, every

@@ -133,6 +133,9 @@ def regression_loop(config: dict) -> dict:
         if ctx.rank == bad_rank and step.index >= bad_step:
             raise ValueError(f"injected user error on rank {ctx.rank} at step {step.index}")
         elastic.report({"loss": loss.item()})
+        if config.get("step_log") and ctx.rank == 0:
+            with open(config["step_log"], "a") as log:  # when each step committed, for benchmarks/partition.py
+                log.write(f"{step.index} {time.time()}\n")
         time.sleep(config.get("sleep_s", 0.0))
         hold_at_gate(config, step.index)
     if sync_every:

@@ -1,0 +1,110 @@
+"""What a worker node cut off by the network costs, beside a SIGKILL of the same worker, on a real
+multi-node Ray cluster in network namespaces (elastic.testing.NetworkCluster).
+
+    .venv/bin/python -m benchmarks.partition                        # 3 rounds, about 8 minutes
+    .venv/bin/python -m benchmarks.partition --rounds 1 --out /tmp/partition.json
+
+Run it from the repository root, as root on Linux. The cluster is a head with no CPUs for workers
+and three worker nodes of one CPU each; each run is tests/network_driver.py's: `regression_loop`
+on 3 workers (min 2), a sleep inside each step standing for its compute (50 ms, and 1 s), rank 2's
+node cut off (its link taken down) a moment into a step, and the link brought back once the
+survivors healed. Beside it, the same run with rank 2's process SIGKILLed at the same moment.
+Figures, each a median over the rounds with min, median and max under `spread.<key>`:
+
+- partition_recovery_s.<pace>: from the cut to the survivors' first committed step (rank 0's
+  commit times, logged by the loop), everything the survivors stood still included;
+- partition_sigkill_recovery_s.<pace>: the same for the SIGKILL;
+- partition_detect_s.<pace>: the `recovery` event's `detect_s`, the last commit to the moment the
+  controller called the node unreachable.
+
+The keys are merged into benchmarks/results/bench.json (or --out), keeping the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures, print_medians
+from elastic.testing import NetworkCluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from network_driver import FAST, SLOW, Pace, cut_mid_step, events, result, start_three  # noqa: E402
+
+PACES = {"50ms": FAST, "1s": SLOW}
+
+
+def first_commit_after(step_log: Path, moment: float, healed_at: float) -> float:
+    """When rank 0 committed its first step once the healed generation formed, less `moment`."""
+    times = [float(line.split()[1]) for line in step_log.read_text().splitlines()]
+    return min(t for t in times if t > healed_at) - moment
+
+
+def healed_at(found: list[dict], since: float) -> float:
+    return next(e["time"] for e in found if e["type"] == "generation_formed" and e["kind"] == "heal"
+                and e["time"] > since)
+
+
+def partition_round(cluster: NetworkCluster, folder: Path, pace: Pace) -> dict[str, float]:
+    log = folder / "partition-steps.log"
+    cut = cut_mid_step(cluster, folder, pace, step_log=log, name="partition")
+    [recovery] = [e for e in cut.events if e["type"] == "recovery"]
+    return {"recovery_s": first_commit_after(log, cut.cut_at, healed_at(cut.events, cut.cut_at)),
+            "detect_s": recovery["detect_s"]}
+
+
+def sigkill_round(cluster: NetworkCluster, folder: Path, pace: Pace) -> float:
+    log = folder / "sigkill-steps.log"
+    driver, first, _ = start_three(cluster, folder, "sigkill", pace, step_log=log)
+    time.sleep(pace.cut_after_s)
+    killed_at = time.time()
+    os.kill(first["members"][2]["pid"], signal.SIGKILL)  # the namespaces share this machine's pids
+    result(driver, folder, "sigkill")
+    return first_commit_after(log, killed_at, healed_at(events(folder, "sigkill"), killed_at))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds({args.rounds}) must be at least 1")
+    reason = NetworkCluster.unavailable()
+    if reason is not None:
+        parser.error(f"the network cluster cannot run here: {reason}")
+    started = time.time()
+    figures: dict[str, list[float | None]] = {}
+    with NetworkCluster(nodes=4, cpus_per_node=1, head_cpus=0) as cluster, \
+            tempfile.TemporaryDirectory(prefix="elastic-partition-") as storage:
+        for round_index in range(args.rounds):
+            for label, pace in PACES.items():
+                folder = Path(storage) / f"round-{round_index}-{label}"
+                folder.mkdir()
+                cut = partition_round(cluster, folder, pace)
+                killed = sigkill_round(cluster, folder, pace)
+                figures.setdefault(f"partition_recovery_s.{label}", []).append(cut["recovery_s"])
+                figures.setdefault(f"partition_detect_s.{label}", []).append(cut["detect_s"])
+                figures.setdefault(f"partition_sigkill_recovery_s.{label}", []).append(killed)
+                print(f"round {round_index + 1}/{args.rounds} {label}: cut {cut['recovery_s']:.2f} s "
+                      f"(detect {cut['detect_s']:.2f} s), SIGKILL {killed:.2f} s, load {os.getloadavg()[0]:.1f}",
+                      flush=True)
+    merge_figures(args.out, figures, {}, {
+        "partition_recovery_s": "a worker node's link taken down inside a step: seconds from the cut to the "
+                                "survivors' first committed step, on a NetworkCluster (benchmarks/partition.py)",
+        "partition_sigkill_recovery_s": "the same worker SIGKILLed at the same moment instead: seconds to the "
+                                        "survivors' first committed step",
+        "partition_detect_s": "the recovery event's detect_s: the last commit to the call that the node is unreachable",
+    }, command_line("benchmarks.partition", argv), time.time() - started)
+    print_medians(figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
