@@ -628,6 +628,17 @@ def _command() -> str:
     return command_line("benchmarks.bench", None)
 
 
+def parse_rounds(doc: str, argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser of a benchmark that takes `--rounds` (default 3, at least 1) and `--out`, and its arguments."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds({args.rounds}) must be at least 1")
+    return parser, args
+
+
 def command_line(module: str, argv: list[str] | None) -> str:
     """The command that ran `module` with `argv` (sys.argv's when None), as the README quotes it."""
     return shlex.join([os.path.relpath(sys.executable, REPO_ROOT), "-m", module,

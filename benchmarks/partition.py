@@ -22,7 +22,6 @@ The keys are merged into benchmarks/results/bench.json (or --out), keeping the o
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -30,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures, print_medians
+from benchmarks.bench import command_line, merge_figures, parse_rounds, print_medians
 from elastic.testing import NetworkCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -70,12 +69,7 @@ def sigkill_round(cluster: NetworkCluster, folder: Path, pace: Pace) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=DEFAULT_OUT)
-    args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds({args.rounds}) must be at least 1")
+    parser, args = parse_rounds(__doc__, argv)
     reason = NetworkCluster.unavailable()
     if reason is not None:
         parser.error(f"the network cluster cannot run here: {reason}")

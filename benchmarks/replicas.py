@@ -40,7 +40,6 @@ step times and the heal's generations.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -53,7 +52,7 @@ import torch
 
 import elastic
 from benchmarks import workload
-from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures, print_medians
+from benchmarks.bench import command_line, merge_figures, parse_rounds, print_medians
 from elastic.demo.corpus import prepare_corpus
 from elastic.demo.model import ModelConfig, TinyLM, next_byte_loss, next_byte_pairs
 from elastic.demo.train import DemoConfig, default_fault, run_demo
@@ -170,12 +169,7 @@ def heal_and_join(storage: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=DEFAULT_OUT)
-    args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds({args.rounds}) must be at least 1")
+    _, args = parse_rounds(__doc__, argv)
     started = time.time()
     # One instance for every run: each worker asks for 1 CPU, so 4 logical CPUs host all 4.
     ray.init(address="local", num_cpus=WORKERS, include_dashboard=False, log_to_driver=False)
