@@ -108,6 +108,12 @@ QUOTED_KEYS = {
         "replica_heal_s",
         "replica_join_s",
         "replica_join_sync_s",
+        "partition_recovery_s.50ms",
+        "partition_recovery_s.1s",
+        "partition_sigkill_recovery_s.50ms",
+        "partition_sigkill_recovery_s.1s",
+        "partition_detect_s.50ms",
+        "partition_detect_s.1s",
     ),
     "scale": (
         "scaling.2.recovery_s",
