@@ -34,7 +34,7 @@ from elastic.testing import NetworkCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from network_driver import FAST, SLOW, Pace, cut_mid_step, events, result, start_three  # noqa: E402
+from network_driver import FAST, SLOW, Pace, cut_mid_step, events, result, start_full  # noqa: E402
 
 PACES = {"50ms": FAST, "1s": SLOW}
 
@@ -60,7 +60,7 @@ def partition_round(cluster: NetworkCluster, folder: Path, pace: Pace) -> dict[s
 
 def sigkill_round(cluster: NetworkCluster, folder: Path, pace: Pace) -> float:
     log = folder / "sigkill-steps.log"
-    driver, first, _ = start_three(cluster, folder, "sigkill", pace, step_log=log)
+    driver, first, _ = start_full(cluster, folder, "sigkill", pace, step_log=log)
     time.sleep(pace.cut_after_s)
     killed_at = time.time()
     os.kill(first["members"][2]["pid"], signal.SIGKILL)  # the namespaces share this machine's pids

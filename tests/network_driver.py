@@ -39,10 +39,12 @@ class Pace:
     compute_s: float  # a sleep inside each step, standing for its compute
     max_steps: int
     cut_after_s: float  # from the first generation of 3 to the cut: inside a step, past the first few
+    hidden: int = 32  # the MLP's width: 2048 makes each gradient all-reduce 0.3 MB
 
 
 FAST = Pace(compute_s=0.05, max_steps=30 * workloads.STEPS_PER_EPOCH, cut_after_s=0.4)  # 50 ms steps
 SLOW = Pace(compute_s=1.0, max_steps=3 * workloads.STEPS_PER_EPOCH, cut_after_s=2.5)
+WIDE = Pace(compute_s=0.05, max_steps=10 * workloads.STEPS_PER_EPOCH, cut_after_s=0.4, hidden=2048)
 
 
 @dataclass
@@ -60,7 +62,7 @@ class Cut:
 def spawn(cluster, folder: Path, name: str, workers: tuple[int, int], pace: Pace, gate: Path | None = None,
           step_log: Path | None = None):
     """Start a driver on the cluster's head for a run of `regression_loop`; its Popen."""
-    loop = {"max_steps": pace.max_steps, "compute_s": pace.compute_s, "sleep_s": 0.0}
+    loop = {"max_steps": pace.max_steps, "compute_s": pace.compute_s, "sleep_s": 0.0, "hidden": pace.hidden}
     if gate:
         loop["gate"] = (CUT_AT_STEP, str(gate))
     if step_log:
@@ -101,30 +103,31 @@ def node_of(event: dict, cluster) -> int:
     return next(node for node in range(cluster.nodes) if cluster.node_ip(node) == address)
 
 
-def start_three(cluster, folder: Path, name: str, pace: Pace, step_log: Path | None = None):
-    """A run of 3 workers (min 2) once its first generation of 3 formed: (driver, that generation,
-    the node of its rank 2)."""
+def start_full(cluster, folder: Path, name: str, pace: Pace, step_log: Path | None = None, workers: int = 3):
+    """A run of `workers` workers (min one fewer) once its first generation of all of them formed:
+    (driver, that generation, the node of its last rank)."""
     gate = folder / f"{name}-every-worker-started"
-    driver = spawn(cluster, folder, name, (2, 3), pace, gate=gate, step_log=step_log)
-    wait_for(folder, name, lambda found: len([e for e in found if e["type"] == "worker_started"]) >= 3, driver)
+    driver = spawn(cluster, folder, name, (workers - 1, workers), pace, gate=gate, step_log=step_log)
+    wait_for(folder, name, lambda found: len([e for e in found if e["type"] == "worker_started"]) >= workers, driver)
     gate.touch()
     first = wait_for(folder, name, lambda found: [e for e in found if e["type"] == "generation_formed"
-                                                  and e["world_size"] == 3][-1:], driver)[0]
+                                                  and e["world_size"] == workers][-1:], driver)[0]
     started = {e["worker_id"]: e for e in events(folder, name) if e["type"] == "worker_started"}
-    return driver, first, node_of(started[first["members"][2]["worker_id"]], cluster)
+    return driver, first, node_of(started[first["members"][-1]["worker_id"]], cluster)
 
 
-def cut_mid_step(cluster, folder: Path, pace: Pace, step_log: Path | None = None, name: str = "cut") -> Cut:
-    """A run of 3 workers whose rank 2's node is cut off inside a step, its link healed once the
-    survivors healed."""
-    driver, first, node = start_three(cluster, folder, name, pace, step_log)
+def cut_mid_step(cluster, folder: Path, pace: Pace, step_log: Path | None = None, name: str = "cut",
+                 workers: int = 3) -> Cut:
+    """A run of `workers` workers whose last rank's node is cut off inside a step, its link healed
+    once the survivors healed."""
+    driver, first, node = start_full(cluster, folder, name, pace, step_log, workers)
     time.sleep(pace.cut_after_s)
     cut_at = time.time()
     cluster.partition(node)
     wait_for(folder, name, lambda found: [e for e in found if e["type"] == "recovery"], driver)
     cluster.heal(node)  # the link comes back: the old worker must not come back with it
     outcome = result(driver, folder, name)
-    return Cut(outcome, events(folder, name), first, first["members"][2], cut_at)
+    return Cut(outcome, events(folder, name), first, first["members"][-1], cut_at)
 
 
 def main(path: str) -> None:

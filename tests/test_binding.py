@@ -29,9 +29,15 @@ def _an_interface_address() -> tuple[str, str]:
 
 
 @pytest.fixture
-def clean_env(monkeypatch):
-    for name in (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME):
-        monkeypatch.delenv(name, raising=False)
+def clean_env():
+    """Neither variable set; afterwards both as they were (binding sets them, and the processes
+    this one starts later, the network tests' drivers among them, inherit its environment)."""
+    names = (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    yield
+    for name in names:
+        os.environ.pop(name, None)
+    os.environ.update(saved)
 
 
 def test_the_groups_bind_the_interface_that_holds_the_node_address(clean_env):
@@ -41,8 +47,8 @@ def test_the_groups_bind_the_interface_that_holds_the_node_address(clean_env):
     assert os.environ[GLOO_SOCKET_IFNAME] == os.environ[NCCL_SOCKET_IFNAME] == interface
 
 
-def test_an_interface_the_user_chose_is_kept(clean_env, monkeypatch):
-    monkeypatch.setenv(GLOO_SOCKET_IFNAME, "mine0")
+def test_an_interface_the_user_chose_is_kept(clean_env):
+    os.environ[GLOO_SOCKET_IFNAME] = "mine0"
     assert bind_collectives_to(_an_interface_address()[1]) == f"{GLOO_SOCKET_IFNAME}=mine0 (set by the user)"
     assert os.environ[GLOO_SOCKET_IFNAME] == "mine0"
 

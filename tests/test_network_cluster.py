@@ -3,6 +3,9 @@ separate hosts on a real Ray cluster, and partition, heal, flap and shape do to 
 
 One cluster, a head and two workers of 1 CPU each, serves the module: starting Ray in three
 namespaces takes seconds per node here. The last test tears it down and checks that nothing is left.
+The tests on a cluster run under `-m soak` (the suite's time on 2 cores): in CI the harness
+starts, partitions and heals a node's link in tests/test_partitions.py, and a dead owner's
+leftovers are removed here.
 """
 
 import ipaddress
@@ -141,6 +144,7 @@ def _running(pid):
         return False
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(240)
 def test_a_driver_in_the_head_namespace_runs_a_task_on_each_node_at_that_nodes_own_address(cluster):
     result = cluster.run_driver(PINNED_TASKS_DRIVER, timeout_s=180)
@@ -154,6 +158,7 @@ def test_a_driver_in_the_head_namespace_runs_a_task_on_each_node_at_that_nodes_o
     assert all(ipaddress.ip_address(ip) in ipaddress.ip_network("198.18.0.0/15") for ip in ips)
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(60)
 def test_the_hostname_resolves_to_the_nodes_own_address_inside_its_namespace(cluster):
     resolve = "import socket; print(socket.gethostbyname(socket.gethostname()))"
@@ -161,6 +166,7 @@ def test_the_hostname_resolves_to_the_nodes_own_address_inside_its_namespace(clu
     assert lookup.stdout.strip() == cluster.node_ip(1)
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("healed_links")
 def test_partition_cuts_only_that_node_off_and_heal_restores_it(cluster):
@@ -177,6 +183,7 @@ def test_partition_cuts_only_that_node_off_and_heal_restores_it(cluster):
     assert _connects(cluster, 1, 2, ports[2], REACH_WAIT_S)
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("healed_links")
 def test_a_flap_takes_the_link_down_and_leaves_it_up(cluster):
@@ -188,6 +195,7 @@ def test_a_flap_takes_the_link_down_and_leaves_it_up(cluster):
     assert _connects(cluster, 0, 2, port, REACH_WAIT_S)
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(90)
 @pytest.mark.usefixtures("healed_links")
 def test_shaping_a_link_bounds_its_throughput_each_way_and_removing_it_lifts_the_bound(cluster):
@@ -221,6 +229,7 @@ def test_a_dead_owners_leftover_namespace_is_removed_with_its_processes():
     assert not (ETC_NETNS / leftover).exists()
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(60)
 def test_teardown_leaves_no_namespace_process_or_file_behind(cluster):
     prefix = cluster.namespace(0).removesuffix("-n0")

@@ -14,14 +14,14 @@ and every survivor in the process it started in; a run whose survivors were blam
 restarted, or that counted anything the cut-off worker did, fails one of those.
 
     pytest tests/test_partitions.py              # in CI: the cut at 50 ms steps, the binding
-    pytest -m soak tests/test_partitions.py      # plus the cut at 1 s steps and a flapping link
+    pytest -m soak tests/test_partitions.py      # plus the cut at 1 s steps and at 2 workers, a flapping link, a slow link
 """
 
 import pytest
 import torch
 
 from elastic.testing import NetworkCluster
-from network_driver import FAST, SLOW, cut_mid_step, events, node_of, result, spawn, start_three
+from network_driver import FAST, SLOW, WIDE, cut_mid_step, events, node_of, result, spawn, start_full
 
 UNAVAILABLE = NetworkCluster.unavailable()
 pytestmark = [pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no network namespaces: {UNAVAILABLE}"),
@@ -60,10 +60,12 @@ def _assert_same_training(outcome, reference):
         assert difference < PARAM_TOLERANCE, f"{key} differs by {difference}"
 
 
-@pytest.mark.parametrize("pace", [FAST, pytest.param(SLOW, marks=pytest.mark.soak)], ids=["50ms", "1s"])
+@pytest.mark.parametrize(("pace", "workers"), [(FAST, 3), pytest.param(SLOW, 3, marks=pytest.mark.soak),
+                                               pytest.param(FAST, 2, marks=pytest.mark.soak)],
+                         ids=["50ms-3-workers", "1s-3-workers", "50ms-2-workers"])
 def test_a_worker_node_cut_off_mid_step_is_healed_around_and_no_survivor_is_blamed(cluster, references, tmp_path,
-                                                                                     pace):
-    cut = cut_mid_step(cluster, tmp_path, pace)
+                                                                                     pace, workers):
+    cut = cut_mid_step(cluster, tmp_path, pace, workers=workers)
     _assert_same_training(cut.outcome, references(pace))
     failed = [e for e in cut.events if e["type"] == "worker_failed"]
     assert [(e["worker_id"], e["kind"]) for e in failed] == [(cut.victim["worker_id"], "unreachable")], failed
@@ -85,8 +87,22 @@ def test_the_groups_bind_each_nodes_own_address_where_the_hostname_resolves_to_l
 
 @pytest.mark.soak
 def test_a_flapping_link_never_fails_the_run_and_nothing_is_lost(cluster, references, tmp_path):
-    driver, _, node = start_three(cluster, tmp_path, "flap", FAST)
+    driver, _, node = start_full(cluster, tmp_path, "flap", FAST)
     cluster.flap(node, down_s=2.0, up_s=2.0, times=4).join()
     _assert_same_training(result(driver, tmp_path, "flap"), references(FAST))
     failed = [e for e in events(tmp_path, "flap") if e["type"] == "worker_failed"]
     assert all(e["kind"] == "unreachable" for e in failed), f"a reachable worker was blamed: {failed}"
+
+
+@pytest.mark.soak
+def test_a_slow_link_slows_the_run_and_kills_nothing(cluster, references, tmp_path):
+    # 10 Mbit/s carries a step's 0.3 MB gradient all-reduce in about a quarter of a second, five
+    # times the step's compute: the run goes at the slow node's pace, and it is not evicted.
+    driver, _, node = start_full(cluster, tmp_path, "slow-link", WIDE)
+    cluster.shape(node, "10mbit")
+    try:
+        outcome = result(driver, tmp_path, "slow-link")
+    finally:
+        cluster.shape(node, None)
+    _assert_same_training(outcome, references(WIDE))
+    assert not [e for e in events(tmp_path, "slow-link") if e["type"] == "worker_failed"], "a slow node was evicted"

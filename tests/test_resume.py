@@ -86,6 +86,10 @@ def test_losing_every_worker_fails_the_run_when_max_failures_is_zero(local_ray, 
         trainer(tmp_path, "all-lost-fatal", (1, 2), faults=faults, max_failures=0).fit()
 
 
+# The controller's death in CI: tests/test_chaos.py's seeds kill it (controller-kill faults)
+# and the run ends exactly once, equal to a fault-free run; this kill from outside (ray.kill)
+# runs under -m soak, for the suite's time on 2 cores.
+@pytest.mark.soak
 def test_the_run_finishes_when_the_controller_is_killed(reference, tmp_path):
     run = trainer(tmp_path, "controller-kill", (2, 2), sleep_s=0.05)
     outcome = {}
