@@ -138,6 +138,7 @@ class TrainContext:
         self._launched = 0
         self._entered_sync = 0
         self._arrived = -1  # the newest generation whose barrier this rank reached
+        self._connected = -1  # the newest generation whose groups this rank connected
         self._train_thread: int | None = None
         self._waiting_on_checkpoint = False
         # The current generation's number, default group and connections (to sever, `abort_stale_group`).
@@ -721,6 +722,7 @@ class TrainContext:
                 groups.update(self._replica_groups(spec))
 
         links = GroupLinks.opened_by(connect)
+        self._connected = spec.generation
         with self._group_lock:
             self._group = (spec.generation, dist.group.WORLD, links)
         abortable = spec.backend == "gloo" and (spec.world_size >= ABORTABLE_FROM_WORLD_SIZE or self.in_replicas)
@@ -855,7 +857,7 @@ class TrainContext:
     def progress(self) -> dict[str, Any]:
         """Where the train thread is, for the controller's hang check: answered from another thread."""
         return {"step": self._step_index, "entered_sync": self._entered_sync, "launched": self._launched,
-                "arrived": self._arrived, "checkpointing": self._waiting_on_checkpoint,
+                "arrived": self._arrived, "connected": self._connected, "checkpointing": self._waiting_on_checkpoint,
                 "blocked_in": self._collective_in_progress()}
 
     def _collective_in_progress(self) -> str:

@@ -274,14 +274,16 @@ class Protocol:
         if any(p is not None and p.checkpointing for p in obs.answers.values()):
             return actions  # an upload holds the run up: that is progress, not a hang
         state = self.state
-        suspects = {w: p for w, p in obs.answers.items() if p is not None}
+        suspects = {w: p for w, p in obs.answers.items() if p is not None and not p.connecting}
         if isinstance(state, Forming):
             # Those at the barrier wait for the others; only the ones that never came can be hung.
             acked = dict(state.acked)
             suspects = {w: p for w, p in suspects.items()
                         if w not in acked and (p is None or p.arrived < state.formation.generation)}
-        if actions:
-            return actions  # the members waited on an unreachable peer: the heal releases them
+        if actions or not suspects:
+            # The members waited on an unreachable peer (the heal releases them), or on peers of a
+            # generation they are connecting (its connect timeout does).
+            return actions
         hung = policies.find_hung({w: (p.step, p.entered_sync, p.launched) for w, p in suspects.items()})
         # In a formation, the members that never came are the culprits even when alike: a
         # formation takes milliseconds once everyone is there. In a running generation, alike

@@ -104,6 +104,13 @@ class WorkerProgress:
     arrived: int  # the newest generation whose barrier it reached
     checkpointing: bool  # waiting for its checkpoint upload
     blocked_in: str = ""  # the torch.distributed call its train thread waits in, if any
+    connected: int = -1  # the newest generation whose groups it connected
+
+    @property
+    def connecting(self) -> bool:
+        """Past a barrier's "go", connecting that generation's groups: waiting on its peers, for at
+        most CONNECT_TIMEOUT_S (a peer that died right after the barrier), never hung."""
+        return self.arrived > self.connected
 
 
 @dataclass(frozen=True)

@@ -106,9 +106,10 @@ class FakeWorkerGroup:
                 self.started += action.worker_ids
 
 
-def progress(step=10, arrived=-1, checkpointing=False, entered_sync=None):
+def progress(step=10, arrived=-1, checkpointing=False, entered_sync=None, connected=None):
     entered = step if entered_sync is None else entered_sync
-    return WorkerProgress(step=step, entered_sync=entered, launched=entered, arrived=arrived, checkpointing=checkpointing)
+    return WorkerProgress(step=step, entered_sync=entered, launched=entered, arrived=arrived, checkpointing=checkpointing,
+                          connected=arrived if connected is None else connected)
 
 
 # --- starting ---------------------------------------------------------------------------------
@@ -447,6 +448,20 @@ def test_members_waiting_on_an_unreachable_peer_are_released_not_blamed():
     assert [e["kind"] for e in group.events("worker_failed")] == ["unreachable"]
 
 
+def test_a_member_connecting_a_generation_whose_peer_died_after_the_barrier_is_not_blamed():
+    # Two deaths within milliseconds: the second lands after generation 1's "go", so the survivor
+    # waits in gloo's connect for the dead peer (up to CONNECT_TIMEOUT_S) while generation 2 is
+    # offered. Past the hang deadline it has not come to generation 2, but it is waiting, not hung.
+    group = FakeWorkerGroup(min_workers=1)
+    group.start_run(0, 1, 2)
+    group.die(1)
+    group.die(2)
+    offered = group.latest_offer.formation.generation
+    group.send(Tick(last_step_at=group.now, deadline_s=2.0, reach_deadline_s=0.5), after_s=3.0)
+    group.send(ProgressPolled({0: progress(14, arrived=offered - 1, connected=offered - 2)}))
+    assert group.killed == [] and group.state != "FAILED"
+
+
 def test_an_unreachable_member_of_a_heal_aborts_it_and_the_next_offer_leaves_it_out():
     group = FakeWorkerGroup(min_workers=1)
     group.start_run(0, 1, 2)
@@ -557,7 +572,7 @@ def test_every_member_blocked_in_a_collective_past_the_deadline_is_an_applicatio
     group.start_run(0, 1, 2)
     group.send(Tick(deadline_s=5.0), after_s=10.0)
     where = "all_reduce called from train_loop at train.py:42"
-    blocked = WorkerProgress(step=10, entered_sync=10, launched=10, arrived=0, checkpointing=False, blocked_in=where)
+    blocked = WorkerProgress(step=10, entered_sync=10, launched=10, arrived=0, connected=0, checkpointing=False, blocked_in=where)
     group.send(ProgressPolled({0: blocked, 1: blocked, 2: blocked}))
     assert group.state == "FAILED" and group.protocol.state.kind == "app_error"
     assert where in group.protocol.state.error and group.protocol.failures == 1
@@ -661,7 +676,7 @@ def test_a_hung_worker_is_evicted_with_its_replica_and_a_mate_already_evicted_is
     group = replicas(max_failures=1)
     group.start_run(0, 1, 2, 3)
     group.send(Tick(last_step_at=group.now - 6, deadline_s=5.0), after_s=6.0)
-    blocked = WorkerProgress(step=10, entered_sync=10, launched=10, arrived=0, checkpointing=False,
+    blocked = WorkerProgress(step=10, entered_sync=10, launched=10, arrived=0, connected=0, checkpointing=False,
                              blocked_in="all_reduce at loop.py:3")
     group.send(ProgressPolled({w: blocked for w in range(4)}))
     assert sorted(group.killed) == [0, 1, 2, 3]
