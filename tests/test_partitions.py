@@ -96,10 +96,10 @@ def test_a_flapping_link_never_fails_the_run_and_nothing_is_lost(cluster, refere
 
 @pytest.mark.soak
 def test_a_slow_link_slows_the_run_and_kills_nothing(cluster, references, tmp_path):
-    # 10 Mbit/s carries a step's 0.3 MB gradient all-reduce in about a quarter of a second, five
-    # times the step's compute: the run goes at the slow node's pace, and it is not evicted.
+    # 3 Mbit/s carries a step's 74 KB gradient all-reduce (twice that on the wire) in about 0.4 s,
+    # eight times the step's compute: the run goes at the slow node's pace, and it is not evicted.
     driver, _, node = start_full(cluster, tmp_path, "slow-link", WIDE)
-    cluster.shape(node, "10mbit")
+    cluster.shape(node, "3mbit")
     try:
         outcome = result(driver, tmp_path, "slow-link")
     finally:
