@@ -258,13 +258,15 @@ class Controller:
                 await self.fault_fired(-1, fault.spec(), self.protocol.committed_step)
 
     async def _poll(self, members: tuple[int, ...]) -> None:
-        async def one(worker_id: int) -> signals.WorkerProgress | None:
+        """Ping `members`; one whose call failed is left out: its process died, and its outstanding
+        `run` call reports the death (a death is not an unreachable member)."""
+        async def one(worker_id: int) -> signals.WorkerProgress | None | object:
             answer = await _answer_within(self.handles[worker_id].progress.remote(),
                                           self.spec.run.failure_config.ping_timeout_s)
-            return signals.WorkerProgress(**answer) if answer else None
+            return signals.WorkerProgress(**answer) if isinstance(answer, dict) else answer
 
         answers = await asyncio.gather(*(one(w) for w in members))
-        self.inbox.put_nowait(signals.ProgressPolled(dict(zip(members, answers))))
+        self.inbox.put_nowait(signals.ProgressPolled({w: a for w, a in zip(members, answers) if a is not _DIED}))
 
     def _start_workers(self, worker_ids: tuple[int, ...]) -> None:
         resources = dict(self.spec.scaling.worker_resources())
@@ -382,8 +384,12 @@ class Controller:
         }
 
 
+_DIED = object()  # what `_answer_within` gives for a call that failed
+
+
 async def _answer_within(ref: Any, timeout_s: float) -> Any:
-    """The call's result, or None if it failed or took longer than `timeout_s`.
+    """The call's result, _DIED if it failed (a dead actor's call fails), or None if it took
+    longer than `timeout_s`.
 
     Not asyncio.wait_for: on timeout it waits for the cancelled call to wind down, and an
     ObjectRef of a call to a stuck actor may never do so, which froze the whole controller.
@@ -391,8 +397,8 @@ async def _answer_within(ref: Any, timeout_s: float) -> Any:
     async def answer() -> Any:
         try:
             return await ref
-        except Exception:  # a dead actor's call fails: no answer
-            return None
+        except Exception:
+            return _DIED
 
     task = asyncio.ensure_future(answer())
     done, _ = await asyncio.wait({task}, timeout=timeout_s)

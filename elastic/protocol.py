@@ -83,9 +83,8 @@ class Protocol:
     first_ready_at: float | None = None
     polling: bool = False
     judging_hang: bool = False  # the poll under way is past the hang deadline, not only a ping
-    pinged_at: float = 0.0  # when the members were last pinged for a stall short of the hang deadline
-    stalled_s: float = 0.0  # how long the run had gone without progress when it was polled
-    stalled_since: float = 0.0  # the last progress before that stall
+    pinged_at: float = 0.0  # when the members were last polled (a ping short of the hang deadline, or a hang check)
+    stalled_since: float = 0.0  # the last progress before the stall the latest poll is about
     detect_s: float = 0.0  # how long the failure being healed went unseen (an unreachable member's stall)
     deadline_s: float = 0.0  # the hang deadline it was past
 
@@ -105,6 +104,11 @@ class Protocol:
             ProgressPolled: self._on_polled, ShardWritten: self._on_shard_written,
         }[type(observation)]
         return handler(observation, now)
+
+    @property
+    def stalled_s(self) -> float:
+        """How long the run had gone without progress when it was last polled."""
+        return self.pinged_at - self.stalled_since
 
     @property
     def finished(self) -> bool:
@@ -257,7 +261,7 @@ class Protocol:
         if not hang and now - max(obs.last_step_at, self.progress_at, self.pinged_at) <= obs.reach_deadline_s:
             return []
         self.polling, self.judging_hang, self.pinged_at = True, hang, now
-        self.stalled_s, self.deadline_s, self.stalled_since = stalled, obs.deadline_s, now - stalled
+        self.deadline_s, self.stalled_since = obs.deadline_s, now - stalled
         watched = state.formation.members if isinstance(state, Forming) else self.members
         return [PollProgress(tuple(w for w in watched if self.workers[w].status != Status.GONE))]
 
@@ -279,7 +283,7 @@ class Protocol:
             # Those at the barrier wait for the others; only the ones that never came can be hung.
             acked = dict(state.acked)
             suspects = {w: p for w, p in suspects.items()
-                        if w not in acked and (p is None or p.arrived < state.formation.generation)}
+                        if w not in acked and p.arrived < state.formation.generation}
         if actions or not suspects:
             # The members waited on an unreachable peer (the heal releases them), or on peers of a
             # generation they are connecting (its connect timeout does).
