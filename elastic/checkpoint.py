@@ -44,7 +44,10 @@ from elastic.flat_state import describe, gather, numel, unflatten
 from elastic.reported import write_directory
 from elastic.storage import RunStorage
 
-FORMAT_VERSION = 1
+# 2: each file lies under the folder of the generation that wrote it (its manifest entry's
+# "path"), so a writer cut off from a generation that moved on never overwrites a listed file.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1 kept every file at its name
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 USER_FILES = "user"
@@ -281,7 +284,7 @@ class Checkpoint:
         return merged
 
     def _read(self, entry: dict[str, Any]) -> bytes:
-        data = self.storage.read_bytes(entry["name"])
+        data = self.storage.read_bytes(file_path(entry))
         _check_size(entry, len(data))
         if not self.verified:
             _check_sha256(entry, data)
@@ -315,17 +318,17 @@ def verify(storage: RunStorage) -> Checkpoint:
         raise CheckpointError(f"{storage.uri} has no {MANIFEST}: the checkpoint was never completed") from None
     except (ValueError, OSError) as exc:
         raise CheckpointError(f"{storage.uri}/{MANIFEST} cannot be read: {exc}") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{storage.uri} has format_version {manifest.get('format_version')!r}, this elastic reads "
-            f"{FORMAT_VERSION}; load it with the elastic version that wrote it"
+            f"{', '.join(map(str, READABLE_VERSIONS))}; load it with the elastic version that wrote it"
         )
     for entry in manifest["files"]:
-        size = storage.size(entry["name"])
+        size = storage.size(file_path(entry))
         if size is None:
-            raise CheckpointError(f"file {entry['name']} listed in the manifest is missing")
+            raise CheckpointError(f"file {file_path(entry)} listed in the manifest is missing")
         _check_size(entry, size)
-        _check_sha256(entry, storage.read_bytes(entry["name"]))
+        _check_sha256(entry, storage.read_bytes(file_path(entry)))
     return Checkpoint(storage, manifest, verified=True)
 
 
@@ -412,15 +415,18 @@ class CheckpointWriter:
                        "structure": snapshot.structure if index == 0 else None}
             crash_after = sum(c.numel() * c.element_size() for c in chunks.values()) // 2 if crash_midway else None
             name = f"{part.name}/{shard_name(index, count)}" if part else shard_name(rank, world_size)
-            report["files"].append(write_file(folder, name, lambda out: torch.save(payload, out), crash_after))
+
+            def write(name: str, fill: Callable[[Any], Any], crash_after: int | None = None) -> None:
+                report["files"].append(write_file(folder, name, fill, crash_after, generation_path(generation, name)))
+
+            write(name, lambda out: torch.save(payload, out), crash_after)
             if optimizer_shard is not None:
-                report["files"].append(write_file(folder, optimizer_shard_name(rank, world_size),
-                                                  lambda out: torch.save(optimizer_shard, out)))
+                write(optimizer_shard_name(rank, world_size), lambda out: torch.save(optimizer_shard, out))
             if rank == 0:
                 for name, data in user_files.items():
-                    report["files"].append(write_file(folder, f"{USER_FILES}/{name}", lambda out: out.write(data)))
+                    write(f"{USER_FILES}/{name}", lambda out, data=data: out.write(data))
                 for name, data in reported_files.items():
-                    report["files"].append(write_file(folder, f"{REPORTED}/{name}", lambda out: out.write(data)))
+                    write(f"{REPORTED}/{name}", lambda out, data=data: out.write(data))
                 report["metadata"] = metadata
         except Exception as exc:  # any storage error: the checkpoint stays incomplete, training goes on
             report["error"] = f"{type(exc).__name__}: {exc}"
@@ -428,17 +434,29 @@ class CheckpointWriter:
         self.on_written(report)
 
 
+def file_path(entry: dict[str, Any]) -> str:
+    """Where a manifest entry's bytes lie in the checkpoint's folder."""
+    return entry.get("path", entry["name"])
+
+
+def generation_path(generation: int, name: str) -> str:
+    """Where generation `generation` writes the file `name` of a checkpoint."""
+    return f"gen-{generation}/{name}"
+
+
 def write_file(folder: RunStorage, name: str, fill: Callable[[Any], Any],
-               crash_after: int | None = None) -> dict[str, Any]:
-    """Write file `name` with `fill(stream)` and make it durable; its manifest entry (name, size, sha256).
+               crash_after: int | None = None, path: str | None = None) -> dict[str, Any]:
+    """Write file `name` (at `path`, by default the name) with `fill(stream)` and make it durable;
+    its manifest entry (name, path, size, sha256).
 
     The bytes go from `fill` to storage as they come, hashed on the way: a shard is never
     held serialized in memory. `crash_after` is the injected fault: the process dies like a
     crash once that many bytes have reached storage.
     """
-    if "/" in name:
-        folder.fs.create_dir(folder.path(name.rsplit("/", 1)[0]), recursive=True)
-    path = folder.path(name)
+    relative = path or name
+    if "/" in relative:
+        folder.fs.create_dir(folder.path(relative.rsplit("/", 1)[0]), recursive=True)
+    path = folder.path(relative)
     local = isinstance(folder.fs, pafs.LocalFileSystem)
     with ThreadPoolExecutor(1, thread_name_prefix="elastic-checkpoint-hash") as hasher:
         # A local file is written with Python's own I/O: it lets go of the GIL while it writes, so
@@ -449,7 +467,7 @@ def write_file(folder: RunStorage, name: str, fill: Callable[[Any], Any],
             if local:
                 out.flush()
                 os.fsync(out.fileno())
-    return {"name": name, "size": stream.size, "sha256": stream.sha256.hexdigest()}
+    return {"name": name, "path": relative, "size": stream.size, "sha256": stream.sha256.hexdigest()}
 
 
 class _HashedStream:

@@ -37,14 +37,14 @@ def _model_and_optimizer(seed=0):
     return model, optimizer
 
 
-def _save(run, step, world_size=2, files=None, metadata=None):
-    model, optimizer = _model_and_optimizer(step)
+def _save(run, step, world_size=2, files=None, metadata=None, generation=0, seed=None):
+    model, optimizer = _model_and_optimizer(step if seed is None else seed)
     states = {"model": state_of(model), "optimizer": state_of(optimizer)}
     snapshot = take_snapshot(states, {"step": step, "cursor": {"epoch": 1, "consumed": 8 * step, "seed": 0}})
     reports = []
     writer = CheckpointWriter(run, on_written=reports.append)
     for rank in range(world_size):
-        writer.submit(snapshot, rank, world_size, 0.0, files or {}, metadata or {})
+        writer.submit(snapshot, rank, world_size, 0.0, files or {}, metadata or {}, generation=generation)
         writer.wait()
     assert all("error" not in r for r in reports)
     write_manifest(run, snapshot.progress, world_size, [f for r in reports for f in r["files"]], metadata or {})
@@ -76,7 +76,25 @@ def test_the_manifest_lists_every_file_with_size_and_sha256(run):
     names = [f["name"] for f in manifest["files"]]
     assert names == [shard_name(0, 2), shard_name(1, 2), "user/vocab.txt"]
     assert all(len(f["sha256"]) == 64 and f["size"] > 0 for f in manifest["files"])
-    assert manifest["format_version"] == 1 and manifest["world_size"] == 2
+    assert manifest["format_version"] == 2 and manifest["world_size"] == 2
+    assert [f["path"] for f in manifest["files"]] == [f"gen-0/{name}" for name in names]
+
+
+def test_a_writer_of_a_generation_that_moved_on_never_overwrites_a_file_a_manifest_lists(run):
+    # Generation 3 (2 ranks) completes step 4's checkpoint. A rank of generation 2, cut off
+    # before it ended, then writes its shard of step 4 (same rank, same world size, other state)
+    # into the same storage: it lands in generation 2's folder, which no manifest lists.
+    model, _ = _save(run, 4, generation=3)
+    reports = []
+    stale, _ = _model_and_optimizer(seed=99)
+    snapshot = take_snapshot({"model": state_of(stale)}, {"step": 4, "cursor": {"epoch": 1, "consumed": 32, "seed": 0}})
+    writer = CheckpointWriter(run, on_written=reports.append)
+    writer.submit(snapshot, 1, 2, 0.0, {}, {}, generation=2)
+    writer.wait()
+    assert run.size(f"{step_dir(4)}/gen-2/{shard_name(1, 2)}") is not None, "the stale write did not happen"
+    state = Checkpoint.from_path(run.path(step_dir(4))).load_state()  # verifies every listed file's sha256
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(state["model"][name], tensor)
 
 
 def test_shards_written_from_each_ranks_own_share_load_back_to_the_whole_state(run):
@@ -114,14 +132,19 @@ def test_user_files_and_metadata_come_back(run):
     assert checkpoint.metadata == {"tokenizer": "bytes"}
 
 
+def _listed(run, step, name):
+    """Where the manifest of step's checkpoint says file `name` lies."""
+    return run.path(f"{step_dir(step)}/gen-0/{name}")
+
+
 def _corrupt_truncate(run, step):
-    path = run.path(f"{step_dir(step)}/{shard_name(1, 2)}")
+    path = _listed(run, step, shard_name(1, 2))
     data = open(path, "rb").read()
     open(path, "wb").write(data[: len(data) // 2])
 
 
 def _corrupt_flip(run, step):
-    path = run.path(f"{step_dir(step)}/{shard_name(0, 2)}")
+    path = _listed(run, step, shard_name(0, 2))
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(path, "wb").write(bytes(data))
@@ -218,9 +241,9 @@ def test_a_checkpoint_cannot_run_code_when_loaded(run, tmp_path):
 def test_an_incompatible_format_version_names_the_mismatch(run):
     _save(run, 3)
     path = run.path(f"{step_dir(3)}/manifest.json")
-    text = open(path).read().replace('"format_version": 1', '"format_version": 99')
+    text = open(path).read().replace('"format_version": 2', '"format_version": 99')
     open(path, "w").write(text)
-    with pytest.raises(CheckpointError, match="format_version 99, this elastic reads 1"):
+    with pytest.raises(CheckpointError, match="format_version 99, this elastic reads 1, 2"):
         Checkpoint.from_path(run.path(step_dir(3)))
 
 
