@@ -336,11 +336,13 @@ class Controller:
                                               config.hang_ceiling_s)
             straggler = None
             if config.straggler_factor is not None:
-                compute = {w: self.progress.compute.get(w, {}) for w in self.protocol.members}
-                straggler = policies.find_straggler(compute, config.straggler_factor, config.straggler_steps)
+                members = self.protocol.members
+                compute = {w: self.progress.compute.get(w, {}) for w in members}
+                straggler = (policies.find_straggler(compute, config.straggler_factor, config.straggler_steps)
+                             or policies.find_slow_link(self.progress.link_rates(members, config.straggler_steps),
+                                                        compute, config.straggler_factor))
                 if straggler:
-                    for times in self.progress.compute.values():
-                        times.clear()  # judge the next generation on its own steps
+                    self.progress.forget_stragglers()
             reach = policies.reach_deadline(self.progress.step_times, config.reach_floor_s)
             self.inbox.put_nowait(signals.Tick(self.progress.reported_step, self.progress.last_step_time, deadline,
                                                reach, straggler))

@@ -29,6 +29,7 @@ from elastic.errors import WorkerEvictedError
 from elastic.faults import Fault
 from elastic.group import GenerationSpec, is_peer_failure
 from elastic.mailbox import GenerationMailbox
+from elastic.progress import LINK_MIN_BYTES
 from elastic.replicas import ReplicaShape
 from elastic.storage import RunStorage
 
@@ -75,6 +76,7 @@ class Worker:
             latest_checkpoint=lambda: ray.get(controller.latest_checkpoint_of_run.remote()),
         )
         self.binds = ""  # set when the run starts (elastic.binding)
+        self.address = ""  # this node's, which its peers' connections see
         self._stop = threading.Event()
         threading.Thread(target=self._flush_loop, daemon=True, name="elastic-reports").start()
 
@@ -83,7 +85,8 @@ class Worker:
         """Run the train loop to its end; returns an outcome instead of raising user errors."""
         _set_current(self.ctx)
         try:
-            self.binds = bind_collectives_to(ray.util.get_node_ip_address())
+            self.address = ray.util.get_node_ip_address()
+            self.binds = bind_collectives_to(self.address)
             takes_config = len(inspect.signature(train_loop).parameters) > 0
             value = train_loop(config) if takes_config else train_loop()
             return {"outcome": "finished", "step": self.ctx.step, "value": _picklable(value)}
@@ -164,9 +167,26 @@ class Worker:
         while self._reports:
             items.append(self._reports.popleft())
         if items:
+            links = self._links_sample()
+            if links:
+                items.append(links)
             sent = self._controller.ingest.remote(self.worker_id, items)
             if wait:
                 ray.get(sent)
+
+
+    def _links_sample(self) -> dict[str, Any] | None:
+        """What this generation's connections sent each peer so far, for the controller's check of
+        a slow link (`elastic.policies.find_slow_link`): read from the kernel, off the train thread."""
+        current = self.ctx.links
+        if current is None:
+            return None
+        generation, links = current
+        sent = {peer: traffic for peer, traffic in links.traffic().items() if traffic[0] >= LINK_MIN_BYTES}
+        if not sent:
+            return None
+        return {"kind": "links", "generation": generation, "step": self.ctx.step, "address": self.address,
+                "sent": sent}
 
 
 def _on_head_node() -> bool:

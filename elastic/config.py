@@ -221,7 +221,7 @@ class FailureConfig(_Frozen):
         "(dead, or alive behind a link that is down) and is healed around like a death."
     )
     reach_floor_s: float = Field(
-        0.5, gt=0, description="Members are pinged once no step has committed for 1.5 median step times, "
+        0.5, gt=0, description="Members are pinged once no step has committed for 1.2 median step times, "
         "never sooner than this."
     )
     hang_ceiling_s: float = Field(

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -58,15 +58,17 @@ from elastic.group import (
 )
 from elastic.loader import Loader, open_loader, to_device
 from elastic.mailbox import GenerationMailbox
-from elastic.pipelined_replica import PipelinedReplica, ReplicaBatch, concatenated
 from elastic.random_state import RandomState
 from elastic.replicas import Position, ReplicaShape
 from elastic.step import BetweenSteps, ElasticDDP, MicroBatch, Step
 from elastic.stream import StreamLoader
 from elastic.state_sync import load_into, state_of, sync_state
 from elastic.techniques import Techniques
-from elastic.tensor_parallel import Plan
-from elastic.tensor_parallel_replica import LocalSlices, TensorParallelReplica, local_gradients
+
+if TYPE_CHECKING:
+    from elastic.pipelined_replica import PipelinedReplica, ReplicaBatch
+    from elastic.tensor_parallel import Plan
+    from elastic.tensor_parallel_replica import TensorParallelReplica
 
 # Steps between the boundary all-reduces that agree on time-based checkpoints (only runs with
 # CheckpointConfig(every_s) launch them). The step index decides, so every rank checks at the
@@ -226,6 +228,12 @@ class TrainContext:
         """Optimizer steps committed so far in the run."""
         return self._step_index
 
+    @property
+    def links(self) -> tuple[int, GroupLinks] | None:
+        """The current generation's number and its groups' connections; read from any thread."""
+        group = self._group
+        return (group[0], group[2]) if group is not None else None
+
     def prepare_model(self, model: torch.nn.Module,
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                       tensor_parallel_plan: Plan | None = None, split_points: Sequence[int] | None = None
@@ -269,6 +277,8 @@ class TrainContext:
 
     def _prepare_pipeline(self, model: torch.nn.Module, loss_fn: Callable | None, plan: Plan | None,
                           split_points: Sequence[int] | None) -> PipelinedReplica:
+        from elastic.pipelined_replica import PipelinedReplica  # torch's pipelining: seconds to import
+
         if loss_fn is None:
             raise ElasticError(f"with pipeline_stages({self.shape.pipeline_stages}) the last stage computes the loss: "
                                "call ctx.prepare_model(model, loss_fn=...), e.g. loss_fn=nn.functional.mse_loss, "
@@ -296,6 +306,8 @@ class TrainContext:
         return model.tensor_parallel_plan()
 
     def _prepare_tensor_parallel(self, model: torch.nn.Module, plan: Plan | None) -> TensorParallelReplica:
+        from elastic.tensor_parallel_replica import TensorParallelReplica  # DTensor: a second to import
+
         plan = self._plan_of(model, plan)
         model.to(self.device)
         self._tensor = TensorParallelReplica(model, plan, self.shape.tensor_parallel)
@@ -314,6 +326,8 @@ class TrainContext:
         optimizer = self._optimizer = self.techniques.prepare_optimizer(optimizer, self._objects)
         optimizer.register_step_pre_hook(lambda *_: self._check_weighted())
         if self._tensor is not None:
+            from elastic.tensor_parallel_replica import LocalSlices
+
             self._tensor.tp.adopt(optimizer)  # each generation's bind carries it to the new module
             self._objects["optimizer"] = LocalSlices(optimizer)
             if not self.pipelined:  # a pipelined stage averages in model.step
@@ -510,6 +524,8 @@ class TrainContext:
 
     def _replica_batch(self, step: Step) -> ReplicaBatch:
         """The replica's share of `step` as one batch, which every stage of the replica reads alike."""
+        from elastic.pipelined_replica import ReplicaBatch, concatenated
+
         if not self.pipelined:
             raise ElasticError("step.batch() gives a pipelined run's replica its share (ScalingConfig(pipeline_stages "
                                "> 1)); iterate step.micro_batches() and call mb.backward(loss) instead")
@@ -549,6 +565,8 @@ class TrainContext:
         if step is None or step.averaged:
             return
         step.averaged = True
+        from elastic.tensor_parallel_replica import local_gradients
+
         reduce_in_place(local_gradients(self._tensor.module), self._average_over_replicas, divide=self.num_replicas)
         self._all_averaged()  # as PipelinedReplica.step: no rank steps while another's average failed
 

@@ -13,7 +13,7 @@ from typing import Literal, Sequence
 # Step times measured before the stall deadline follows them instead of the ceiling.
 MIN_STEP_SAMPLES = 5
 # A step that takes this many median steps without committing is worth a ping of every member.
-REACH_FACTOR = 1.5
+REACH_FACTOR = 1.2  # a step 20% over the median costs a poll, no verdict
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,49 @@ def find_straggler(
                 f"{steps} steps, above FailureConfig(straggler_factor={factor})"
             )
     return None
+
+
+def find_slow_link(
+    rates: dict[int, tuple[str, dict[str, float]]], compute: dict[int, dict[int, float]], factor: float
+) -> tuple[int, str] | None:
+    """A member on a node whose every connection, to and from it, sent at less than 1/`factor` of
+    the median rate of the connections between other nodes, with the reason; None when none is.
+
+    `rates` maps member -> (its node's address, {peer address: bytes per busy second});
+    `compute` is `find_straggler`'s, which the reason quotes: a node slow on the network
+    computes like the others. It takes three nodes with data between them: with two, each one's
+    only link is the other's, and nothing tells which end is slow.
+    """
+    links: dict[tuple[str, str], float] = {}
+    for address, peers in rates.values():
+        for peer, rate in peers.items():
+            if peer != address:
+                links[address, peer] = min(rate, links.get((address, peer), rate))
+    for node in sorted({end for link in links for end in link}):
+        own = [rate for link, rate in links.items() if node in link]
+        others = [rate for link, rate in links.items() if node not in link]
+        if not others or max(own) * factor >= statistics.median(others):
+            continue
+        member = min(w for w, (address, _) in rates.items() if address == node)
+        return member, (
+            f"the network: every connection to and from its node {node} carried at most {_rate(max(own))}, "
+            f"where the others' median was {_rate(statistics.median(others))}, more than FailureConfig("
+            f"straggler_factor={factor}) times as fast; its own compute took {_compute_ratio(compute, member)} "
+            "the others' median"
+        )
+    return None
+
+
+def _rate(bytes_per_s: float) -> str:
+    return "a burst too short to time" if bytes_per_s == float("inf") else f"{bytes_per_s * 8 / 1e6:.0f} Mbit/s"
+
+
+def _compute_ratio(compute: dict[int, dict[int, float]], member: int) -> str:
+    own = list(compute.get(member, {}).values())
+    others = [t for w, times in compute.items() if w != member for t in times.values()]
+    if not own or not others or statistics.median(others) <= 0:
+        return "an unmeasured share of"
+    return f"{statistics.median(own) / statistics.median(others):.1f}x"
 
 
 def nodes_to_avoid(

@@ -279,6 +279,17 @@ class NetworkCluster:
         self._check_node(node)
         _ip("-n", self._bridge_namespace, "link", "set", self._bridge_port(node), "up")
 
+    def restart(self, node: int) -> None:
+        """Start worker node `node`'s Ray again, as an operator brings a machine back: after Ray
+        declared it dead (its raylet then ends), it joins the cluster as a new node. Whatever still
+        runs in its namespace is stopped first."""
+        self._check_node(node)
+        if node == 0:
+            raise ValueError("the head cannot be restarted: it holds the cluster; make a new NetworkCluster")
+        _kill_processes_in([self.namespace(node)])
+        _wait_ray_start(node, self.spawn_in(node, self._ray_start_argv(node, head=False), stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True))
+
     def shape(self, node: int, rate: str | None) -> None:
         """Limit each direction of node `node`'s link to `rate` (tc units: "100mbit", "1gbit");
         None removes the limit."""

@@ -66,3 +66,30 @@ def test_severing_a_generation_frees_a_blocking_all_reduce_waiting_on_a_silent_p
 def test_links_opened_elsewhere_are_not_recorded():
     before = GroupLinks.opened_by(lambda: None)
     assert before.inodes == frozenset() and before.sever() == 0
+
+
+PAYLOAD_FLOATS = 1 << 20  # 4 MB: a 2-rank ring sends each peer the whole tensor, half in each phase
+
+
+def _sender(rank, port, results):
+    store = client(port)
+    links = GroupLinks.opened_by(lambda: dist.init_process_group(
+        "gloo", store=dist.PrefixStore("traffic", store), rank=rank, world_size=2, timeout=timedelta(seconds=60)))
+    before = links.traffic()
+    dist.all_reduce(torch.ones(PAYLOAD_FLOATS))
+    after = links.traffic()
+    dist.destroy_process_group()
+    results[rank] = {"before": before, "after": after, "closed": links.traffic()}
+
+
+def test_traffic_counts_what_the_groups_connections_sent_each_peer_and_nothing_else():
+    results = spawn(_sender, nprocs=2)
+    for rank, seen in results.items():
+        [(peer, (sent, busy_s))] = seen["after"].items()
+        assert peer == "127.0.0.1"
+        before = seen["before"].get(peer, (0, 0.0))[0]
+        # Counted when acknowledged: the last segments may be in flight as the all-reduce returns.
+        assert sent - before >= 0.9 * 4 * PAYLOAD_FLOATS, f"rank {rank} counted {sent - before} bytes"
+        assert sent - before < 2 * 4 * PAYLOAD_FLOATS, "the store's connection (opened before the group) was counted"
+        assert busy_s >= 0.0
+        assert seen["closed"] == {}, "a destroyed group's closed connections still counted"

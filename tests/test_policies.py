@@ -72,6 +72,39 @@ def test_a_straggler_is_a_member_slower_than_the_others_in_every_recent_step():
     assert find_straggler({0: steady, 1: steady}, factor=3, steps=5) is None
 
 
+MBIT = 1e6 / 8  # bytes per second
+
+
+def test_a_node_whose_every_link_is_slow_is_a_network_straggler_and_its_compute_is_quoted():
+    from elastic.policies import find_slow_link
+
+    # A ring of three nodes: 0 -> 1 -> 2 -> 0. Node 2's link carries 100 Mbit/s both ways, so
+    # the connections into and out of it are slow; 0 -> 1, between the others, is not.
+    rates = {10: ("198.18.0.2", {"198.18.0.3": 9000 * MBIT}),
+             11: ("198.18.0.3", {"198.18.0.4": 95 * MBIT}),
+             12: ("198.18.0.4", {"198.18.0.2": 97 * MBIT})}
+    compute = {10: {5: 0.05}, 11: {5: 0.05}, 12: {5: 0.05}}
+    member, reason = find_slow_link(rates, compute, factor=4)
+    assert member == 12
+    assert reason.startswith("the network") and "198.18.0.4" in reason and "97 Mbit/s" in reason
+    assert "9000 Mbit/s" in reason and "straggler_factor=4" in reason and "compute took 1.0x" in reason
+    assert find_slow_link(rates, compute, factor=200) is None, "a ratio below the factor evicts nobody"
+
+
+def test_a_slow_link_between_two_nodes_names_neither_and_a_fast_burst_counts_as_fast():
+    from elastic.policies import find_slow_link
+
+    two = {0: ("198.18.0.2", {"198.18.0.3": 90 * MBIT}), 1: ("198.18.0.3", {"198.18.0.2": 90 * MBIT})}
+    assert find_slow_link(two, {}, factor=2) is None
+    # A connection whose burst the kernel's busy clock did not see is fast (an infinite rate).
+    ring = {0: ("198.18.0.2", {"198.18.0.3": float("inf")}), 1: ("198.18.0.3", {"198.18.0.4": 50 * MBIT}),
+            2: ("198.18.0.4", {"198.18.0.2": 50 * MBIT})}
+    member, reason = find_slow_link(ring, {}, factor=2)
+    assert member == 2 and "too short to time" in reason
+    same_node = {0: ("198.18.0.2", {"198.18.0.2": 1 * MBIT}), 1: ("198.18.0.2", {"198.18.0.2": 1 * MBIT})}
+    assert find_slow_link(same_node, {}, factor=2) is None, "connections within a node are not a link"
+
+
 def test_a_node_is_avoided_after_repeated_failures_until_they_age_out():
     from elastic.policies import nodes_to_avoid
 
