@@ -32,6 +32,7 @@ from elastic.storage import RunStorage  # noqa: E402
 DRIVER = Path(__file__)
 CUT_AT_STEP = 20  # training is held here until every worker started (a slow start takes a grow first)
 RUN_TIMEOUT_S = 300.0
+DATA_SEED = 3
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,16 @@ class Pace:
     compute_s: float  # a sleep inside each step, standing for its compute
     max_steps: int
     cut_after_s: float  # from the first generation of 3 to the cut: inside a step, past the first few
-    hidden: int = 32  # the MLP's width: 512 makes each gradient all-reduce 74 KB
+    hidden: int = 32  # the MLP's width: 512 makes each gradient all-reduce 74 KB, 4096 590 KB
+    lr: float = 0.05  # SGD's: a wide MLP diverges at the default
 
 
 FAST = Pace(compute_s=0.05, max_steps=30 * workloads.STEPS_PER_EPOCH, cut_after_s=0.4)  # 50 ms steps
 SLOW = Pace(compute_s=1.0, max_steps=3 * workloads.STEPS_PER_EPOCH, cut_after_s=2.5)
 WIDE = Pace(compute_s=0.05, max_steps=10 * workloads.STEPS_PER_EPOCH, cut_after_s=0.4, hidden=512)
+GROWING = Pace(compute_s=1.0, max_steps=6 * workloads.STEPS_PER_EPOCH, cut_after_s=2.5)  # room for a death and a grow
+# A step's all-reduce sends each rank's ring neighbour 786 KB: 63 ms at 100 Mbit/s, under 1 ms unshaped.
+HEAVY = Pace(compute_s=0.05, max_steps=12 * workloads.STEPS_PER_EPOCH, cut_after_s=0.4, hidden=4096, lr=0.002)
 
 
 @dataclass
@@ -60,15 +65,21 @@ class Cut:
 
 
 def spawn(cluster, folder: Path, name: str, workers: tuple[int, int], pace: Pace, gate: Path | None = None,
-          step_log: Path | None = None):
-    """Start a driver on the cluster's head for a run of `regression_loop`; its Popen."""
-    loop = {"max_steps": pace.max_steps, "compute_s": pace.compute_s, "sleep_s": 0.0, "hidden": pace.hidden}
+          step_log: Path | None = None, failure: dict | None = None, hold: tuple[int, Path] | None = None,
+          checkpoint_every: int | None = None):
+    """Start a driver on the cluster's head for a run of `regression_loop` (with `failure` as its
+    FailureConfig's fields, held after step `hold[0]` until the file `hold[1]` exists, a checkpoint
+    every `checkpoint_every` steps); its Popen."""
+    loop = {"max_steps": pace.max_steps, "compute_s": pace.compute_s, "sleep_s": 0.0, "hidden": pace.hidden,
+            "lr": pace.lr}
     if gate:
         loop["gate"] = (CUT_AT_STEP, str(gate))
     if step_log:
         loop["step_log"] = str(step_log)
+    if hold:
+        loop["gates"] = [(hold[0], str(hold[1]))]
     run = {"name": name, "storage_path": str(folder), "workers": list(workers), "loop": loop,
-           "out": str(folder / f"{name}.pt")}
+           "out": str(folder / f"{name}.pt"), "failure": failure or {}, "checkpoint_every": checkpoint_every}
     path = folder / f"{name}.json"
     path.write_text(json.dumps(run))
     log = open(folder / f"{name}.log", "w")
@@ -103,11 +114,13 @@ def node_of(event: dict, cluster) -> int:
     return next(node for node in range(cluster.nodes) if cluster.node_ip(node) == address)
 
 
-def start_full(cluster, folder: Path, name: str, pace: Pace, step_log: Path | None = None, workers: int = 3):
+def start_full(cluster, folder: Path, name: str, pace: Pace, step_log: Path | None = None, workers: int = 3,
+               failure: dict | None = None, hold: tuple[int, Path] | None = None, checkpoint_every: int | None = None):
     """A run of `workers` workers (min one fewer) once its first generation of all of them formed:
     (driver, that generation, the node of its last rank)."""
     gate = folder / f"{name}-every-worker-started"
-    driver = spawn(cluster, folder, name, (workers - 1, workers), pace, gate=gate, step_log=step_log)
+    driver = spawn(cluster, folder, name, (workers - 1, workers), pace, gate=gate, step_log=step_log, failure=failure,
+                   hold=hold, checkpoint_every=checkpoint_every)
     wait_for(folder, name, lambda found: len([e for e in found if e["type"] == "worker_started"]) >= workers, driver)
     gate.touch()
     first = wait_for(folder, name, lambda found: [e for e in found if e["type"] == "generation_formed"
@@ -117,10 +130,10 @@ def start_full(cluster, folder: Path, name: str, pace: Pace, step_log: Path | No
 
 
 def cut_mid_step(cluster, folder: Path, pace: Pace, step_log: Path | None = None, name: str = "cut",
-                 workers: int = 3) -> Cut:
+                 workers: int = 3, checkpoint_every: int | None = None) -> Cut:
     """A run of `workers` workers whose last rank's node is cut off inside a step, its link healed
     once the survivors healed."""
-    driver, first, node = start_full(cluster, folder, name, pace, step_log, workers)
+    driver, first, node = start_full(cluster, folder, name, pace, step_log, workers, checkpoint_every=checkpoint_every)
     time.sleep(pace.cut_after_s)
     cut_at = time.time()
     cluster.partition(node)
@@ -145,7 +158,7 @@ def main(path: str) -> None:
             failure_config=FailureConfig(**run.get("failure", {})),
         ),
         data_config=DataConfig(global_batch_size=workloads.GLOBAL_BATCH, micro_batch_size=16,
-                               max_steps=config["max_steps"], seed=3),
+                               max_steps=config["max_steps"], seed=DATA_SEED),
         show_progress=False,
     ).fit()
     torch.save({"step": fitted.step, "params": fitted.value["params"], "ledger": fitted.value["ledger"]}, run["out"])

@@ -12,12 +12,13 @@ Step times: fast (a few ms of compute) and slow (a sleep inside each step, stand
 compute of seconds; the hang floor is lowered so deadlines keep the ratios of 3 s steps).
 
 Every cell must end with: the run completed; every sample of every epoch consumed exactly
-once; final parameters equal to a fault-free fixed-size run within 1e-9 (float64); nobody
+once; final parameters equal within 1e-9 (float64) to one process training each step's whole
+global batch (`regression_reference`: the same math at any world size, and no Ray run to wait for); nobody
 killed but the victims (no survivor restarted), or, where a restart is the documented
 outcome, the first generation after it formed at the checkpoint's step.
 
     pytest tests/test_chaos_matrix.py              # in CI
-    pytest -m soak tests/test_chaos_matrix.py      # plus 6 fast and 4 slow-step cells and a real 3 s-step run
+    pytest -m soak tests/test_chaos_matrix.py      # plus 8 fast and 4 slow-step cells and a real 3 s-step run
 """
 
 from dataclasses import dataclass
@@ -26,10 +27,12 @@ import pytest
 import torch
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
-from workloads import GLOBAL_BATCH, STEPS_PER_EPOCH, OutsideKiller, fit_held, regression_loop, workers_started
+from workloads import (GLOBAL_BATCH, STEPS_PER_EPOCH, OutsideKiller, fit_held, regression_loop, regression_reference,
+                       workers_started)
 
 PARAM_TOLERANCE = 1e-9
 CHECKPOINT_EVERY = 8
+DATA_SEED = 5
 
 
 @dataclass(frozen=True)
@@ -103,16 +106,15 @@ def _trainer(tmp_path, name, pace, workers, faults=(), gates=()):
             checkpoint_config=CheckpointConfig(every_steps=CHECKPOINT_EVERY, keep_last=2),
             failure_config=FailureConfig(max_failures=1, hang_floor_s=pace.hang_floor_s, hang_factor=10),
         ),
-        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=pace.max_steps, seed=5),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=pace.max_steps, seed=DATA_SEED),
         faults=list(faults),
         show_progress=False,
     )
 
 
 @pytest.fixture(scope="module")
-def references(local_ray, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("matrix-reference")
-    return {pace: _trainer(tmp, f"reference-{i}", pace, (2, 2)).fit() for i, pace in enumerate((FAST, SLOW))}
+def references():
+    return {pace: regression_reference(pace.max_steps, seed=DATA_SEED) for pace in (FAST, SLOW)}
 
 
 def run_cell(name, cell, pace, reference, tmp_path):
@@ -130,7 +132,7 @@ def run_cell(name, cell, pace, reference, tmp_path):
     assert result.step == pace.max_steps
     ledger = result.value["ledger"]
     assert torch.equal(ledger, torch.ones_like(ledger)), f"{name}: a sample was lost or seen twice"
-    for key, value in reference.value["params"].items():
+    for key, value in reference["params"].items():
         difference = (result.value["params"][key] - value).abs().max().item()
         assert difference < PARAM_TOLERANCE, f"{name}: {key} differs by {difference}"
     fired = sorted(e["fault"] for e in result.events_of("fault_injected"))
@@ -152,29 +154,31 @@ def run_cell(name, cell, pace, reference, tmp_path):
     return result
 
 
-# At fast steps CI leaves out six moments that other CI tests also kill at (a step's start
+# At fast steps CI leaves out eight moments that other CI tests also kill at (a step's start
 # and inside the all-reduce: test_healing, test_chaos, test_streaming; a grow's formation
 # before the newcomer joined: its twin after the join stays; a checkpoint write: test_chaos's
 # checkpoint-crash faults; every worker: test_resume's restart from storage; the controller during
-# a formation: test_resume kills the controller mid-run); `-m soak` runs them too.
+# a formation: test_resume kills the controller mid-run; rank 0: test_chaos puts every fault on
+# rank 0; an outside SIGKILL mid-step: the two SIGKILLs within 100 ms, and the slow newcomer
+# cell's); `-m soak` runs them too.
 FAST_IN_SOAK_ONLY = ("step-start", "mid-allreduce", "grow-before-newcomer-joined", "checkpoint-write", "every-worker",
-                     "controller-during-formation")
+                     "controller-during-formation", "rank-0", "mid-step-sigkill")
 FAST_CELLS = [pytest.param(name, marks=pytest.mark.soak) if name in FAST_IN_SOAK_ONLY else name for name in CELLS]
 
 
 @pytest.mark.parametrize("name", FAST_CELLS)
-def test_fast_steps_survive_a_death_at_every_moment(references, tmp_path, name):
+def test_fast_steps_survive_a_death_at_every_moment(local_ray, references, tmp_path, name):
     run_cell(name, CELLS[name], FAST, references[FAST], tmp_path)
 
 
 @pytest.mark.parametrize("name", SLOW_CELLS)
-def test_slow_steps_survive_a_death_at_every_moment(references, tmp_path, name):
+def test_slow_steps_survive_a_death_at_every_moment(local_ray, references, tmp_path, name):
     run_cell(name, CELLS[name], SLOW, references[SLOW], tmp_path)
 
 
 @pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_three_second_steps_heal_and_grow_back(local_ray, tmp_path):
-    reference = _trainer(tmp_path, "reference-soak", SOAK, (2, 2)).fit()
+    reference = regression_reference(SOAK.max_steps, seed=DATA_SEED)
     result = run_cell("mid-step-sigkill", CELLS["mid-step-sigkill"], SOAK, reference, tmp_path)
     assert [e["world_size"] for e in result.events_of("generation_formed")][-1] == 3, "never grew back"

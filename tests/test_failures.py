@@ -59,7 +59,7 @@ def test_waiting_below_min_workers_times_out_with_a_clear_message(local_ray, tmp
     ray.get(hog.ready.remote())
     try:
         trainer = _trainer(
-            tmp_path, "starved", ScalingConfig(min_workers=2, max_workers=2), FailureConfig(capacity_timeout_s=12)
+            tmp_path, "starved", ScalingConfig(min_workers=2, max_workers=2), FailureConfig(capacity_timeout_s=8)
         )
         with pytest.raises(CapacityTimeoutError, match=r"only 1 of min_workers\(2\) workers could run"):
             trainer.fit()

@@ -110,12 +110,12 @@ def _assert_replica_left_whole_and_came_back(result, dead_rank, size=2):
     assert recovery and not any(r["from_checkpoint"] for r in recovery), "the run restarted instead of healing"
 
 
-# CI kills a tensor-parallel worker inside its average (the harder moment), and a pipelined
-# stage there through the 3D test below; the soak also kills each at a step's start.
+# CI kills a pipelined stage and a tensor-parallel worker inside their average (the harder
+# moment); the soak also kills each at a step's start, and a 3D replica's worker (below).
 WHERES = [pytest.param("step_start", marks=pytest.mark.soak), "allreduce"]
 
 
-@pytest.mark.parametrize("where", [pytest.param(where, marks=pytest.mark.soak) for where in ("step_start", "allreduce")])
+@pytest.mark.parametrize("where", WHERES)
 def test_a_stage_workers_death_takes_out_its_replica_the_other_heals_and_a_new_replica_joins(
         local_ray, tmp_path, reference, where):
     # At its average, stage 0 of replica 1 dies after the stage-1 average may have completed:
@@ -145,9 +145,11 @@ def test_a_tensor_parallel_workers_death_takes_out_its_replica_the_other_heals_a
     assert _max_diff(checkpoint.model_state_dict(), mlp_reference) < 1e-9
 
 
-# (pipeline_stages, tensor_parallel, victim): CI kills a pipelined stage; the soak a tensor-parallel
-# rank, and a 3D replica's worker.
-SHAPES = [(2, 1, 2), pytest.param(1, 2, 2, marks=pytest.mark.soak), pytest.param(2, 2, 5, marks=pytest.mark.soak)]
+# (pipeline_stages, tensor_parallel, victim): a pipelined stage, a tensor-parallel rank, a 3D
+# replica's worker. All under -m soak (the suite's time on 2 cores): CI kills a worker from
+# outside inside a slow step in tests/test_chaos_matrix.py, and these replicas' deaths by Fault above.
+SHAPES = [pytest.param(2, 1, 2, marks=pytest.mark.soak), pytest.param(1, 2, 2, marks=pytest.mark.soak),
+          pytest.param(2, 2, 5, marks=pytest.mark.soak)]
 
 
 @pytest.mark.parametrize("stages, tensor_parallel, victim", SHAPES, ids=["pp", "tp", "3d"])
@@ -205,6 +207,7 @@ def test_a_pipelined_checkpoint_is_refused_by_a_run_of_another_number_of_stages_
         written.load_state("stage-2")
 
 
+@pytest.mark.soak  # 8 workers and 4 newcomers on 2 cores; CI kills a stage and a tensor-parallel rank above
 def test_a_3d_replica_loses_a_worker_leaves_whole_and_a_new_one_joins(local_ray, tmp_path, references):
     # Replica 1's stage 0, tensor-parallel rank 1, dies inside its average.
     result = _fit(tmp_path, "3d", faults=[Fault(kind="kill", rank=5, step=8, where="allreduce")], regrow=True,

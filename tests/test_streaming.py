@@ -64,6 +64,7 @@ def test_a_streamed_parquet_run_heals_and_regrows_exactly(reference, tmp_path):
     _check(result, expected)
 
 
+@pytest.mark.soak  # the suite's time on 2 cores: CI streams from local Parquet above, and tests/test_s3.py runs on S3
 def test_a_streamed_parquet_run_on_s3_heals_exactly(reference, tmp_path, s3):
     _, expected = reference
     filesystem = pafs.S3FileSystem(endpoint_override=s3, scheme="http", access_key="testing",

@@ -30,7 +30,6 @@ import pyarrow.parquet as pq
 import ray
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import elastic
 from elastic.events import read_events
@@ -76,8 +75,9 @@ def _tensors(value):
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor as one plain tensor: a ZeRO-3 shard (DTensor) gathered from every rank, a collective."""
-    return tensor.full_tensor().detach() if isinstance(tensor, DTensor) else tensor
+    """A tensor as one plain tensor: a ZeRO-3 shard (DTensor) gathered from every rank, a collective.
+    Asked by method, not isinstance: importing DTensor costs every worker of every run a second."""
+    return tensor.full_tensor().detach() if hasattr(tensor, "full_tensor") else tensor
 
 
 def regression_loop(config: dict) -> dict:
@@ -88,7 +88,7 @@ def regression_loop(config: dict) -> dict:
     if config.get("optimizer") == "adamw":
         inner = torch.optim.AdamW(model.parameters(), lr=0.01)
     else:
-        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=config.get("momentum", 0.9))
+        inner = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.05), momentum=config.get("momentum", 0.9))
     optimizer = ctx.prepare_optimizer(inner)
     epochs = -(-config["max_steps"] // STEPS_PER_EPOCH)
     ledger = torch.zeros(epochs, NUM_SAMPLES, dtype=torch.float64)
@@ -248,19 +248,22 @@ def tensor_parallel_loop(config: dict) -> dict:
     return {"ledger": ledger.clone()}
 
 
-def plain_reference(max_steps: int, global_batch: int = GLOBAL_BATCH, build=None) -> dict[str, torch.Tensor]:
-    """`pipeline_loop`'s model (or `build()`'s) trained by one process on each step's whole global
-    batch, in the run's sample order (elastic's own loader at world size 1), with the same AdamW."""
+def plain_reference(max_steps: int, global_batch: int = GLOBAL_BATCH, build=None, optimizer=None, seed: int = 0,
+                    dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """The model (`build()`, by default `pipeline_loop`'s) trained by one process on each step's
+    whole global batch, in the run's sample order (elastic's own loader at world size 1, with the
+    run's data seed), by `optimizer(parameters)` (by default `pipeline_loop`'s AdamW). The same
+    math at any world size makes it every fault-free and faulty run's reference, at no Ray cost."""
     from elastic.config import DataConfig
     from elastic.data import DataCursor
     from elastic.loader import Loader
 
-    dataset = regression_data()
+    dataset = regression_data(dtype=dtype)
     loader = Loader(dataset, DataConfig(global_batch_size=global_batch, micro_batch_size=global_batch,
-                                        max_steps=max_steps))
+                                        max_steps=max_steps, seed=seed))
     model = (build or build_pipeline_mlp)()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    cursor = DataCursor(seed=0)
+    optimizer = (optimizer or (lambda parameters: torch.optim.AdamW(parameters, lr=0.01)))(model.parameters())
+    cursor = DataCursor(seed=seed)
     for _ in range(max_steps):
         (loaded,) = loader.step(cursor, 1, 0)
         x, y = loaded.data
@@ -269,6 +272,25 @@ def plain_reference(max_steps: int, global_batch: int = GLOBAL_BATCH, build=None
         optimizer.step()
         cursor = loader.advance(cursor)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def regression_reference(max_steps: int, seed: int, global_batch: int = GLOBAL_BATCH, hidden: int = 32,
+                         optimizer: str = "sgd", momentum: float = 0.9, dtype: str = "float64",
+                         lr: float = 0.05) -> dict:
+    """What `regression_loop` returns for a fault-free run of these settings ("params" and
+    "final_loss"), computed by one process (`plain_reference`)."""
+    torch_dtype = getattr(torch, dtype)
+    if optimizer == "adamw":
+        make = lambda parameters: torch.optim.AdamW(parameters, lr=0.01)  # noqa: E731
+    else:
+        make = lambda parameters: torch.optim.SGD(parameters, lr=lr, momentum=momentum)  # noqa: E731
+    params = plain_reference(max_steps, global_batch, lambda: build_mlp(hidden, torch_dtype), make, seed, torch_dtype)
+    model = build_mlp(hidden, torch_dtype)
+    model.load_state_dict(params)
+    with torch.no_grad():
+        x, y = regression_data(dtype=torch_dtype).tensors
+        final_loss = torch.nn.functional.mse_loss(model(x), y).item()
+    return {"params": params, "final_loss": final_loss}
 
 
 def write_regression_parquet(folder: str, num_samples: int, files: int, filesystem=None, row_group_size: int = 16) -> None:
