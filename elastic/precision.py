@@ -9,17 +9,24 @@ scaler's state (scale, growth tracker) is registered with the run, so a heal or 
 it to newcomers with the model and a checkpoint keeps it.
 
 The forward's floating outputs are cast back to fp32, as Ray Train's `accelerate(amp=True)`
-does, so a loss computed outside autocast works unchanged.
+does, so a loss computed outside autocast works unchanged. Only the tensors are cast: the output
+keeps its type and structure (a Hugging Face `ModelOutput`, an OrderedDict, a namedtuple, a
+dataclass, lists and tuples, nested), through torch's pytree and, for containers pytree does not
+know, a copy of the container with its items cast.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import types
+from collections.abc import MutableMapping
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils._pytree as pytree
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -86,10 +93,19 @@ class Precision:
 
 
 def _to_fp32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in (torch.bfloat16, torch.float16) else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_fp32(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_fp32(v) for k, v in value.items()}
-    return value
+    """`value` with every bf16 and fp16 tensor in it cast to fp32, its containers' types kept."""
+    return pytree.tree_map(_leaf_to_fp32, value)
+
+
+def _leaf_to_fp32(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return leaf.float() if leaf.dtype in (torch.bfloat16, torch.float16) else leaf
+    if isinstance(leaf, MutableMapping):  # a dict subclass pytree does not know
+        cast = copy.copy(leaf)
+        for key in list(cast.keys()):
+            cast[key] = _to_fp32(cast[key])
+        return cast
+    if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+        fields = {f.name: _to_fp32(getattr(leaf, f.name)) for f in dataclasses.fields(leaf) if f.init}
+        return dataclasses.replace(leaf, **fields)
+    return leaf
