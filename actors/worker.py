@@ -58,6 +58,7 @@ class Worker:
         strategy: Strategy,
         shape: ReplicaShape,
         slot: int,
+        measure_links: bool = False,
     ) -> None:
         torch.set_num_threads(max(1, int(num_cpus)))
         self.worker_id = worker_id
@@ -77,6 +78,7 @@ class Worker:
         )
         self.binds = ""  # set when the run starts (elastic.binding)
         self.address = ""  # this node's, which its peers' connections see
+        self._measure_links = measure_links  # only a straggler check reads them (find_slow_link)
         self._stop = threading.Event()
         threading.Thread(target=self._flush_loop, daemon=True, name="elastic-reports").start()
 
@@ -167,13 +169,12 @@ class Worker:
         while self._reports:
             items.append(self._reports.popleft())
         if items:
-            links = self._links_sample()
+            links = self._links_sample() if self._measure_links else None
             if links:
                 items.append(links)
             sent = self._controller.ingest.remote(self.worker_id, items)
             if wait:
                 ray.get(sent)
-
 
     def _links_sample(self) -> dict[str, Any] | None:
         """What this generation's connections sent each peer so far, for the controller's check of

@@ -562,11 +562,11 @@ class TrainContext:
         backward (so clipping and logging see the global batch's gradient): each local gradient
         averaged with the same tensor-parallel rank of every replica (the micro-batches' weights make
         the mean the global batch's). Once per step."""
+        from elastic.tensor_parallel_replica import local_gradients
+
         if step is None or step.averaged:
             return
         step.averaged = True
-        from elastic.tensor_parallel_replica import local_gradients
-
         reduce_in_place(local_gradients(self._tensor.module), self._average_over_replicas, divide=self.num_replicas)
         self._all_averaged()  # as PipelinedReplica.step: no rank steps while another's average failed
 

@@ -108,6 +108,7 @@ TBF_BURST = "256kb"
 TBF_LATENCY = "20ms"
 
 RAY_START_TIMEOUT_S = 120.0
+_CAPTURED = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}  # a `ray start`'s output
 DRIVER_TIMEOUT_S = 300.0
 # Ray's GCS and raylets linger on SIGTERM while their peers go down too; what else runs on a
 # node (drivers, workers) gets this long to exit cleanly before everything is killed.
@@ -287,8 +288,7 @@ class NetworkCluster:
         if node == 0:
             raise ValueError("the head cannot be restarted: it holds the cluster; make a new NetworkCluster")
         _kill_processes_in([self.namespace(node)])
-        _wait_ray_start(node, self.spawn_in(node, self._ray_start_argv(node, head=False), stdout=subprocess.PIPE,
-                                            stderr=subprocess.STDOUT, text=True))
+        _wait_ray_start(node, self.spawn_in(node, self._ray_start_argv(node, head=False), **_CAPTURED))
 
     def shape(self, node: int, rate: str | None) -> None:
         """Limit each direction of node `node`'s link to `rate` (tc units: "100mbit", "1gbit");
@@ -395,10 +395,9 @@ class NetworkCluster:
         self._cluster_dir.mkdir()
         self._token_path.write_text(secrets.token_hex(32))
         self._token_path.chmod(0o600)
-        capture = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-        _wait_ray_start(0, self.spawn_in(0, self._ray_start_argv(0, head=True), **capture))
+        _wait_ray_start(0, self.spawn_in(0, self._ray_start_argv(0, head=True), **_CAPTURED))
         # Workers join the head together: each `ray start` returns once its node is registered.
-        starting = {node: self.spawn_in(node, self._ray_start_argv(node, head=False), **capture)
+        starting = {node: self.spawn_in(node, self._ray_start_argv(node, head=False), **_CAPTURED)
                     for node in range(1, self.nodes)}
         for node, process in starting.items():
             _wait_ray_start(node, process)

@@ -220,23 +220,34 @@ def test_a_member_cut_off_while_a_grow_forms_is_left_behind_and_the_grow_complet
         e for e in found if e["type"] == "state" and e["state"] in ("PREPARING", "FORMING")
         and e["time"] > max(s["time"] for s in found if s["type"] == "worker_started")
         and len([s for s in found if s["type"] == "worker_started"]) > 3], driver)[0]
-    cut_node = node_of(started[cut], cluster)
-    cluster.partition(cut_node)
-    try:
-        wait_for(tmp_path, "grow-cut", lambda found: [e for e in found if e["type"] == "worker_failed"
-                                                      and e["worker_id"] == cut], driver)
-    finally:
-        cluster.heal(cut_node)
-    outcome = result(driver, tmp_path, "grow-cut")
-    _assert_same_training(outcome, GROWING)
-    found = events(tmp_path, "grow-cut")
-    failed = [(e["worker_id"], e["kind"]) for e in found if e["type"] == "worker_failed"]
-    assert failed == [(killed, "death"), (cut, "unreachable")], failed
+    _partition_until_lost(cluster, tmp_path, "grow-cut", driver, node_of(started[cut], cluster), cut)
+    found = _killed_and_cut_only(driver, tmp_path, "grow-cut", GROWING, killed, cut, members[0])
     after = [e for e in found if e["type"] == "generation_formed" and e["time"] > grow["time"]]
     assert after and all(cut not in [m["worker_id"] for m in e["members"]] for e in after[1:])
-    survivor = members[0]
-    assert all(m["pid"] == survivor["pid"] for e in after for m in e["members"] if m["worker_id"] == survivor["worker_id"])
+
+
+def _partition_until_lost(cluster, folder, name, driver, node: int, worker_id: int) -> None:
+    """Cut node `node` off until the controller gave up on worker `worker_id`, then heal the link."""
+    cluster.partition(node)
+    try:
+        wait_for(folder, name, lambda found: [e for e in found if e["type"] == "worker_failed"
+                                              and e["worker_id"] == worker_id], driver)
+    finally:
+        cluster.heal(node)
+
+
+def _killed_and_cut_only(driver, folder, name, pace, killed: int, cut: int, survivor: dict) -> list[dict]:
+    """The run's events, once it ended trained as one process would, with only the SIGKILLed
+    worker failed (a death) and the cut-off one (unreachable), `survivor` in its own process in
+    every generation, and no restart."""
+    _assert_same_training(result(driver, folder, name), pace)
+    found = events(folder, name)
+    failed = [(e["worker_id"], e["kind"]) for e in found if e["type"] == "worker_failed"]
+    assert failed == [(killed, "death"), (cut, "unreachable")], failed
+    formed = [e for e in found if e["type"] == "generation_formed"]
+    assert all(m["pid"] == survivor["pid"] for e in formed for m in e["members"] if m["worker_id"] == survivor["worker_id"])
     assert not [e for e in found if e["type"] == "recovery" and e["from_checkpoint"]], "a heal became a restart"
+    return found
 
 
 @pytest.mark.soak
@@ -276,19 +287,7 @@ def test_a_member_cut_off_while_the_heal_of_a_death_forms_is_lost_too_and_the_su
     time.sleep(FAST.cut_after_s)
     os.kill(started[killed]["pid"], signal.SIGKILL)
     time.sleep(0.02)
-    cluster.partition(cut_node)
-    try:
-        wait_for(tmp_path, "heal-cut", lambda found: [e for e in found if e["type"] == "worker_failed"
-                                                      and e["worker_id"] == cut], driver)
-    finally:
-        cluster.heal(cut_node)
-    outcome = result(driver, tmp_path, "heal-cut")
-    _assert_same_training(outcome, FAST)
-    found = events(tmp_path, "heal-cut")
-    failed = [(e["worker_id"], e["kind"]) for e in found if e["type"] == "worker_failed"]
-    assert failed == [(killed, "death"), (cut, "unreachable")], failed
-    survivor = members[0]
+    _partition_until_lost(cluster, tmp_path, "heal-cut", driver, cut_node, cut)
+    found = _killed_and_cut_only(driver, tmp_path, "heal-cut", FAST, killed, cut, members[0])
     formed = [e for e in found if e["type"] == "generation_formed"]
-    assert all(m["pid"] == survivor["pid"] for e in formed for m in e["members"] if m["worker_id"] == survivor["worker_id"])
-    assert survivor["worker_id"] in [m["worker_id"] for m in formed[-1]["members"]], "the survivor left"
-    assert not [e for e in found if e["type"] == "recovery" and e["from_checkpoint"]], "a heal became a restart"
+    assert members[0]["worker_id"] in [m["worker_id"] for m in formed[-1]["members"]], "the survivor left"

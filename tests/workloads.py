@@ -85,11 +85,7 @@ def regression_loop(config: dict) -> dict:
     dtype = getattr(torch, config.get("dtype", "float64"))
     dataset = regression_data(config.get("num_samples", NUM_SAMPLES), dtype)
     model = ctx.prepare_model(build_mlp(config.get("hidden", 32), dtype))
-    if config.get("optimizer") == "adamw":
-        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-    else:
-        inner = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.05), momentum=config.get("momentum", 0.9))
-    optimizer = ctx.prepare_optimizer(inner)
+    optimizer = ctx.prepare_optimizer(regression_optimizer(model.parameters(), config))
     epochs = -(-config["max_steps"] // STEPS_PER_EPOCH)
     ledger = torch.zeros(epochs, NUM_SAMPLES, dtype=torch.float64)
     ctx.register_state("ledger", ledger)
@@ -274,17 +270,21 @@ def plain_reference(max_steps: int, global_batch: int = GLOBAL_BATCH, build=None
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def regression_reference(max_steps: int, seed: int, global_batch: int = GLOBAL_BATCH, hidden: int = 32,
-                         optimizer: str = "sgd", momentum: float = 0.9, dtype: str = "float64",
-                         lr: float = 0.05) -> dict:
-    """What `regression_loop` returns for a fault-free run of these settings ("params" and
-    "final_loss"), computed by one process (`plain_reference`)."""
-    torch_dtype = getattr(torch, dtype)
-    if optimizer == "adamw":
-        make = lambda parameters: torch.optim.AdamW(parameters, lr=0.01)  # noqa: E731
-    else:
-        make = lambda parameters: torch.optim.SGD(parameters, lr=lr, momentum=momentum)  # noqa: E731
-    params = plain_reference(max_steps, global_batch, lambda: build_mlp(hidden, torch_dtype), make, seed, torch_dtype)
+def regression_optimizer(parameters, config: dict) -> torch.optim.Optimizer:
+    """`regression_loop`'s optimizer for its config: AdamW, or SGD with its lr and momentum."""
+    if config.get("optimizer") == "adamw":
+        return torch.optim.AdamW(parameters, lr=0.01)
+    return torch.optim.SGD(parameters, lr=config.get("lr", 0.05), momentum=config.get("momentum", 0.9))
+
+
+def regression_reference(max_steps: int, seed: int, global_batch: int = GLOBAL_BATCH, **config) -> dict:
+    """What `regression_loop` returns for a fault-free run of its `config` (hidden, dtype,
+    optimizer, lr, momentum) and data seed ("params" and "final_loss"), computed by one process
+    (`plain_reference`)."""
+    torch_dtype = getattr(torch, config.get("dtype", "float64"))
+    hidden = config.get("hidden", 32)
+    params = plain_reference(max_steps, global_batch, lambda: build_mlp(hidden, torch_dtype),
+                             lambda parameters: regression_optimizer(parameters, config), seed, torch_dtype)
     model = build_mlp(hidden, torch_dtype)
     model.load_state_dict(params)
     with torch.no_grad():
