@@ -571,8 +571,9 @@ class TrainContext:
         self._all_averaged()  # as PipelinedReplica.step: no rank steps while another's average failed
 
     def _all_averaged(self) -> None:
-        """Return once every rank of the generation averaged its stage's gradients."""
-        self._gradient_all_reduce.all_reduce(torch.ones(1, device=self.device)).wait()
+        """Return once every rank of the generation averaged its stage's gradients (see `GradientAllReduce.agree`)."""
+        store = self._store.get(self.spec.store_host, self.spec.store_port)
+        self._gradient_all_reduce.agree(store, self._step_index, self.spec.world_size)
 
     def _commit(self) -> None:
         step = self._current_step
@@ -912,9 +913,9 @@ class TrainContext:
 
 def _check_stages_agree(step: int, device: torch.device) -> None:
     """Every worker of a run of replicas must resume at the same step: each synced with its own
-    data-parallel group, and a death during the agreement that ends a step (see
-    `PipelinedReplica.step`) can leave one stage (or tensor-parallel rank) a step ahead of
-    another, which no live process can undo. The run then restarts from its latest checkpoint."""
+    data-parallel group only. The end-of-step agreement (`GradientAllReduce.agree`) keeps any
+    stage (or tensor-parallel rank) from stepping ahead of another; should one still be found
+    ahead, no live process can undo it, and the run restarts from its latest checkpoint."""
     steps = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(steps, torch.tensor([step], dtype=torch.int64, device=device))
     found = sorted({int(s.item()) for s in steps})

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -41,6 +42,9 @@ CONNECT_TIMEOUT_S = 10.0
 # How long one wait on the barrier's outcome key lasts before it is renewed.
 BARRIER_POLL_S = 30.0
 GO, ABORT = "go", "abort"
+# How often a rank waiting on the end-of-step agreement (`GradientAllReduce.agree`) looks for
+# its outcome or an abort: the first pause and the longest.
+AGREE_POLL_S = (0.0005, 0.01)
 # The reason an aborted all-reduce fails with; `is_peer_failure` knows it.
 PEER_ABORT_MARKER = "process group was aborted"
 # gloo fails the dead rank's two ring neighbours at once; only from four ranks on does a
@@ -116,6 +120,12 @@ def rendezvous(spec: GenerationSpec, store: dist.Store) -> bool:
         except dist.DistStoreError as exc:
             if "timeout" not in str(exc).lower():
                 raise
+
+
+def _agreement_keys(generation: int, step: int) -> tuple[str, str]:
+    """The count and the outcome of `GradientAllReduce.agree` on `step` in `generation`."""
+    count = f"{generation_prefix(generation)}/averaged/{step}"
+    return count, f"{count}/outcome"
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -212,6 +222,36 @@ class GradientAllReduce:
         else:
             work.get_future().add_done_callback(lambda done: self._settle(result, done))
         return result
+
+    def agree(self, store: dist.Store, step: int, world_size: int) -> None:
+        """Return once every rank of the generation finished `step`'s gradient averages, or
+        raise a peer failure on every survivor alike if the generation was aborted first.
+
+        A collective cannot decide this: a death inside it can complete it on some ranks and
+        not on others, leaving one stage a step ahead of its replica, which no sync can undo.
+        The controller's store decides instead, as the rendezvous does: the last rank to count
+        itself in writes "go", and a rank told of the abort writes "abort"; whoever writes first
+        wins, and every rank reads that one outcome. A rank whose average failed never counts
+        itself in, so "go" means that every rank holds its averaged gradients.
+        """
+        key, outcome = _agreement_keys(self.generation, step)
+        if store.add(key, 1) == world_size:
+            store.compare_set(outcome, "", GO)
+            # Every rank counted itself into `step`, so none reads the step before's keys again.
+            for done in _agreement_keys(self.generation, step - 1):
+                store.delete_key(done)
+        # The abort comes from the control thread, which cannot use this thread's store
+        # connection while it waits; so this thread polls, backing off from a fraction of a
+        # millisecond (the wait is that short when no rank failed). A store wait with a timeout
+        # would log a warning at each expiry.
+        pause_s = AGREE_POLL_S[0]
+        while not store.check([outcome]):
+            if self.aborted is not None:
+                store.compare_set(outcome, "", ABORT)
+            time.sleep(pause_s)
+            pause_s = min(2 * pause_s, AGREE_POLL_S[1])
+        if store.get(outcome).decode() != GO:
+            raise RuntimeError(self.aborted or f"{PEER_ABORT_MARKER}: generation {self.generation} was aborted")
 
     def abort(self, reason: str) -> None:
         """Fail every pending and later all-reduce of this generation with `reason`."""

@@ -103,8 +103,8 @@ class PipelinedReplica:
              agree: Callable[[], None]) -> None:
         """Join this generation: the replica's stages over `pipeline_group`; `average`, which sums
         a flat buffer of gradients across the replicas in place (a collective of the stage's
-        data-parallel group); and `agree`, a collective of every rank that returns once every
-        stage of every replica holds its averaged gradients (see `step`). A tensor-parallel stage's
+        data-parallel group); and `agree`, which returns once every stage of every replica holds
+        its averaged gradients, and fails on every survivor alike if one does not (see `step`). A tensor-parallel stage's
         `tensor` is bound to its group before."""
         if self.tensor is not None:
             self.pipe.replace_module(self.tensor.tp.module)
@@ -128,8 +128,7 @@ class PipelinedReplica:
         reduce_in_place(local_gradients(self.module), self._average, scale=batch.weight)
         # The stages average over different groups, so a death can fail one stage's average while
         # another's completes; a stage that then stepped would be a step ahead of its replica,
-        # which no sync can undo. Stepping only once every rank averaged leaves that only to a
-        # death inside this one small collective, which the next formation detects.
+        # which no sync can undo. So no rank steps until the store says that every rank averaged.
         self._agree()
         return loss
 
