@@ -222,7 +222,7 @@ class Controller:
                 ray.kill(self.handles[action.worker_id])
             elif isinstance(action, signals.PollProgress):
                 asyncio.ensure_future(self._poll(action.members))
-        if any(isinstance(a, signals.Emit) and a.type == "generation_formed" for a in actions):
+        if self.journal.due:
             await asyncio.to_thread(self.journal.flush)
         if self.placement_groups:
             self._free_lost_replicas()

@@ -42,8 +42,12 @@ EVENT_TYPES = (
     "state",
     "checkpoint_saved",
     "checkpoint_skipped",
+    "fenced",
     "metrics",
 )
+# Events a watcher must see as they happen, not after the heal they start: a flush follows
+# them at once. The rest (metrics above all) wait for the next periodic flush.
+PROMPT_EVENT_TYPES = frozenset({"worker_failed", "decision", "recovery", "state", "generation_formed", "fenced"})
 
 SEGMENTS = "events"
 SEGMENT_DIGITS = 12
@@ -82,6 +86,12 @@ class EventJournal:
         with self._lock:
             self._events.append(event)
         return event
+
+    @property
+    def due(self) -> bool:
+        """Whether an event emitted since the last flush must be written now (`PROMPT_EVENT_TYPES`)."""
+        with self._lock:
+            return any(e["type"] in PROMPT_EVENT_TYPES for e in self._events[self._flushed:])
 
     @property
     def events(self) -> list[dict[str, Any]]:

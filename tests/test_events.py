@@ -6,12 +6,14 @@ server mode on a free local port), reached through pyarrow.fs.S3FileSystem.
 
 import json
 import os
+import pathlib
+import re
 import threading
 
 import pyarrow.fs as pafs
 import pytest
 
-from elastic.events import EventJournal, has_journal, read_events, segment_name
+from elastic.events import EVENT_TYPES, EventJournal, has_journal, read_events, segment_name
 from elastic.storage import RunStorage
 
 pytestmark = pytest.mark.timeout(120)
@@ -205,3 +207,23 @@ def test_an_s3_run_journaled_before_segments_reads_its_events_jsonl_first(s3fs):
     journal.flush()
     assert storage.read_text(EventJournal.FILE).count("\n") == 1
     assert _steps(storage) == [0, 1]
+
+
+def test_a_failure_decision_recovery_or_state_is_due_for_a_flush_at_once_and_metrics_wait(local):
+    journal = EventJournal(local)
+    _emit(journal, [1, 2])
+    assert not journal.due, "metrics alone asked for a flush"
+    for prompt in ("worker_failed", "decision", "recovery", "state", "fenced"):
+        journal.emit(prompt)
+        assert journal.due, f"{prompt} waited for the periodic flush"
+        journal.flush()
+        assert not journal.due
+    assert [e["type"] for e in read_events(local)][-1] == "fenced"
+
+
+def test_every_event_type_the_controller_and_the_protocol_emit_is_known(local):
+    # An unknown type raises where it is emitted: in the controller, that loses the call it serves.
+    root = pathlib.Path(__file__).parent.parent
+    sources = [*root.joinpath("elastic").rglob("*.py"), *root.joinpath("actors").rglob("*.py")]
+    emitted = {m for path in sources for m in re.findall(r'[eE]mit\("([a-z_]+)"', path.read_text())}
+    assert emitted and emitted <= set(EVENT_TYPES), f"unknown event types: {sorted(emitted - set(EVENT_TYPES))}"
