@@ -344,7 +344,7 @@ class Controller:
                                                         compute, config.straggler_factor))
                 if straggler:
                     self.progress.forget_stragglers()
-            reach = policies.reach_deadline(self.progress.step_times, config.reach_floor_s)
+            reach = policies.reach_deadline(self.progress.step_times, config.reach_floor_s, config.reach_ceiling_s)
             self.inbox.put_nowait(signals.Tick(self.progress.reported_step, self.progress.last_step_time, deadline,
                                                reach, straggler))
             self.metrics.update(self.progress.step_times, len(self.protocol.members), self.progress.samples_per_s(),

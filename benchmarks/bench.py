@@ -56,7 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import torch
@@ -628,11 +628,16 @@ def _command() -> str:
     return command_line("benchmarks.bench", None)
 
 
-def parse_rounds(doc: str, argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    """The parser of a benchmark that takes `--rounds` (default 3, at least 1) and `--out`, and its arguments."""
+def parse_rounds(doc: str, argv: list[str] | None,
+                 more: Callable[[argparse.ArgumentParser], None] | None = None,
+                 ) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser of a benchmark that takes `--rounds` (default 3, at least 1), `--out` and the
+    arguments `more` adds, and its arguments."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=DEFAULT_OUT)
+    if more is not None:
+        more(parser)
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds({args.rounds}) must be at least 1")

@@ -1,12 +1,13 @@
 """What a worker node cut off by the network costs, beside a SIGKILL of the same worker, on a real
 multi-node Ray cluster in network namespaces (elastic.testing.NetworkCluster).
 
-    .venv/bin/python -m benchmarks.partition                        # 3 rounds, about 8 minutes
+    .venv/bin/python -m benchmarks.partition                        # 3 rounds, about 16 minutes
+    .venv/bin/python -m benchmarks.partition --paces 3s             # the 3 s steps only, about 8 minutes
     .venv/bin/python -m benchmarks.partition --rounds 1 --out /tmp/partition.json
 
 Run it from the repository root, as root on Linux. The cluster is a head with no CPUs for workers
 and three worker nodes of one CPU each; each run is tests/network_driver.py's: `regression_loop`
-on 3 workers (min 2), a sleep inside each step standing for its compute (50 ms, and 1 s), rank 2's
+on 3 workers (min 2), a sleep inside each step standing for its compute (50 ms, 1 s and 3 s), rank 2's
 node cut off (its link taken down) a moment into a step, and the link brought back once the
 survivors healed. Beside it, the same run with rank 2's process SIGKILLed at the same moment.
 Figures, each a median over the rounds with min, median and max under `spread.<key>`:
@@ -34,9 +35,9 @@ from elastic.testing import NetworkCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from network_driver import FAST, SLOW, Pace, cut_mid_step, events, result, start_full  # noqa: E402
+from network_driver import FAST, SLOW, SLOWEST, Pace, cut_mid_step, events, result, start_full  # noqa: E402
 
-PACES = {"50ms": FAST, "1s": SLOW}
+PACES = {"50ms": FAST, "1s": SLOW, "3s": SLOWEST}
 
 
 def first_commit_after(step_log: Path, moment: float, healed_at: float) -> float:
@@ -69,7 +70,8 @@ def sigkill_round(cluster: NetworkCluster, folder: Path, pace: Pace) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, args = parse_rounds(__doc__, argv)
+    parser, args = parse_rounds(__doc__, argv, lambda p: p.add_argument(
+        "--paces", nargs="+", choices=list(PACES), default=list(PACES), help="the step times to measure at"))
     reason = NetworkCluster.unavailable()
     if reason is not None:
         parser.error(f"the network cluster cannot run here: {reason}")
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     with NetworkCluster(nodes=4, cpus_per_node=1, head_cpus=0) as cluster, \
             tempfile.TemporaryDirectory(prefix="elastic-partition-") as storage:
         for round_index in range(args.rounds):
-            for label, pace in PACES.items():
+            for label in args.paces:
+                pace = PACES[label]
                 folder = Path(storage) / f"round-{round_index}-{label}"
                 folder.mkdir()
                 cut = partition_round(cluster, folder, pace)

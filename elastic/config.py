@@ -224,6 +224,10 @@ class FailureConfig(_Frozen):
         0.5, gt=0, description="Members are pinged once no step has committed for 1.2 median step times, "
         "never sooner than this."
     )
+    reach_ceiling_s: float = Field(
+        1.0, gt=0, description="Members are pinged at least this often while no step commits, however long the "
+        "steps: it bounds the time to see a node cut off at slow steps (a ping is one call per member)."
+    )
     hang_ceiling_s: float = Field(
         600.0, gt=0, description="The stall deadline is never longer than this (and is this until steps are measured)."
     )
@@ -246,6 +250,11 @@ class FailureConfig(_Frozen):
         if self.hang_floor_s > self.hang_ceiling_s:
             raise ValueError(
                 f"hang_floor_s({self.hang_floor_s}) > hang_ceiling_s({self.hang_ceiling_s}); the floor must not exceed the ceiling"
+            )
+        if self.reach_floor_s > self.reach_ceiling_s:
+            raise ValueError(
+                f"reach_floor_s({self.reach_floor_s}) > reach_ceiling_s({self.reach_ceiling_s}); the floor must not "
+                "exceed the ceiling"
             )
         return self
 

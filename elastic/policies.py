@@ -103,14 +103,16 @@ def hang_deadline(step_times: Sequence[float], factor: float, floor_s: float, ce
     return min(ceiling_s, max(floor_s, factor * statistics.median(step_times)))
 
 
-def reach_deadline(step_times: Sequence[float], floor_s: float) -> float:
-    """How long the run may go without committing a step before its members are pinged:
-    REACH_FACTOR median steps, never under `floor_s` (and `floor_s` until steps are measured).
-    A ping costs a call per member, and one that answers is left alone until the hang deadline,
-    so this can be short: it is what bounds the time to see a member cut off by the network."""
+def reach_deadline(step_times: Sequence[float], floor_s: float, ceiling_s: float) -> float:
+    """How long the run may go without committing a step (or since the last ping) before its
+    members are pinged: REACH_FACTOR median steps, within [`floor_s`, `ceiling_s`] (`floor_s`
+    until steps are measured). A ping costs a call per member, and one that answers is left
+    alone until the hang deadline, so this can be short: it is what bounds the time to see a
+    member cut off by the network. The ceiling keeps that bound at slow steps: at 3 s steps the
+    members are pinged every `ceiling_s` of a step instead of once 3.6 s after its start."""
     if len(step_times) < MIN_STEP_SAMPLES:
         return floor_s
-    return max(floor_s, REACH_FACTOR * statistics.median(step_times))
+    return min(ceiling_s, max(floor_s, REACH_FACTOR * statistics.median(step_times)))
 
 
 def find_hung(progress: dict[int, tuple[int, ...] | None]) -> list[int]:

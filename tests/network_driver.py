@@ -46,6 +46,7 @@ class Pace:
 
 FAST = Pace(compute_s=0.05, max_steps=30 * workloads.STEPS_PER_EPOCH, cut_after_s=0.4)  # 50 ms steps
 SLOW = Pace(compute_s=1.0, max_steps=3 * workloads.STEPS_PER_EPOCH, cut_after_s=2.5)
+SLOWEST = Pace(compute_s=3.0, max_steps=2 * workloads.STEPS_PER_EPOCH, cut_after_s=7.5)  # the 3 s steps
 WIDE = Pace(compute_s=0.05, max_steps=10 * workloads.STEPS_PER_EPOCH, cut_after_s=0.4, hidden=512)
 GROWING = Pace(compute_s=1.0, max_steps=6 * workloads.STEPS_PER_EPOCH, cut_after_s=2.5)  # room for a death and a grow
 # A step's all-reduce sends each rank's ring neighbour 786 KB: 63 ms at 100 Mbit/s, under 1 ms unshaped.

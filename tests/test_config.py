@@ -247,6 +247,13 @@ def test_a_hang_floor_above_its_ceiling_is_rejected():
         FailureConfig(hang_floor_s=100, hang_ceiling_s=10)
 
 
+def test_a_reach_floor_above_its_ceiling_is_rejected():
+    from elastic import FailureConfig
+
+    with pytest.raises(ValidationError, match=r"reach_floor_s\(2.0\) > reach_ceiling_s\(1.0\)"):
+        FailureConfig(reach_floor_s=2)
+
+
 def test_a_storage_filesystem_that_is_not_a_pyarrow_filesystem_is_rejected():
     with pytest.raises(ValidationError, match="storage_filesystem is a str, not a pyarrow.fs.FileSystem"):
         RunConfig(name="x", storage_path="/tmp", storage_filesystem="s3")

@@ -2,7 +2,8 @@
 
 import pytest
 
-from elastic.policies import NoopDecision, ResizeDecision, WaitDecision, decide_failure, decide_membership, workers_to_start
+from elastic.policies import (NoopDecision, ResizeDecision, WaitDecision, decide_failure, decide_membership, reach_deadline,
+                              workers_to_start)
 
 
 def test_a_dead_worker_is_healed_and_not_counted_as_a_failure():
@@ -113,3 +114,12 @@ def test_a_node_is_avoided_after_repeated_failures_until_they_age_out():
     assert nodes_to_avoid(failures, now=200.0, limit=3, cooldown_s=300, alive=alive) == {"a"}
     assert nodes_to_avoid(failures, now=460.0, limit=3, cooldown_s=300, alive=alive) == set()  # aged out
     assert nodes_to_avoid(failures, now=200.0, limit=3, cooldown_s=300, alive={"a"}) == set()  # the only node
+
+
+def test_members_are_pinged_after_1_2_median_steps_within_the_floor_and_the_ceiling():
+    assert reach_deadline([0.05] * 10, floor_s=0.5, ceiling_s=1.0) == 0.5  # fast steps: the floor
+    assert reach_deadline([0.6] * 10, floor_s=0.5, ceiling_s=1.0) == pytest.approx(0.72)
+    # Slow steps: pinged every second of a 3 s step, so a node cut off inside it is seen within
+    # about ceiling + ping timeout, not 1.2 steps after the last commit.
+    assert reach_deadline([3.0] * 10, floor_s=0.5, ceiling_s=1.0) == 1.0
+    assert reach_deadline([3.0], floor_s=0.5, ceiling_s=1.0) == 0.5  # not measured yet
