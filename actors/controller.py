@@ -327,7 +327,7 @@ class Controller:
             return
         self.inbox.put_nowait(signals.WorkerExited(
             worker_id, signals.Exit(outcome["outcome"]), outcome.get("error", outcome.get("reason", "")),
-            outcome.get("step", 0), outcome.get("traceback", ""), outcome.get("value")))
+            outcome.get("step", 0), outcome.get("traceback", ""), outcome.get("value"), outcome.get("model")))
 
     async def _tick(self) -> None:
         config = self.spec.run.failure_config
@@ -382,6 +382,7 @@ class Controller:
             "step": self.progress.step,
             "goodput": self._goodput(),
             "value": outcome.value if outcome else None,
+            "model": outcome.model if outcome else None,
             "events_uri": self.storage.uri + "/" + EventJournal.FILE,
             "checkpoint": self.latest_checkpoint,
         }

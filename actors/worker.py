@@ -91,7 +91,8 @@ class Worker:
             self.binds = bind_collectives_to(self.address)
             takes_config = len(inspect.signature(train_loop).parameters) > 0
             value = train_loop(config) if takes_config else train_loop()
-            return {"outcome": "finished", "step": self.ctx.step, "value": _picklable(value)}
+            return {"outcome": "finished", "step": self.ctx.step, "value": _picklable(value),
+                    "model": self.ctx.final_model}
         except WorkerEvictedError as exc:
             return {"outcome": "evicted", "reason": str(exc)}
         except Exception as exc:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map
 
 from elastic import data as data_math
 from elastic import reported
@@ -176,6 +177,8 @@ class TrainContext:
         self._tensor: TensorParallelReplica | None = None
         self._position: Position | None = None  # its replica and stage in the current generation
         self._data_group: dist.ProcessGroup | None = None  # the same stage of every replica, this generation
+        self._mesh_groups: dict[str, dist.ProcessGroup] = {}  # this generation's "pp" and "tp", where present
+        self.final_model: dict[str, torch.Tensor] | None = None  # rank 0's: the whole model once max_steps ran
 
     # --- what the train loop sees ------------------------------------------------------
     @property
@@ -388,6 +391,34 @@ class TrainContext:
         the technique's), by name: the same on every rank of a generation."""
         return {name: state_of(obj) for name, obj in self._objects.items()}
 
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole prepared model's state dict, on the CPU, on every rank: in any layout, the
+        same names and tensors as the model given to `prepare_model`.
+
+        A collective, as torch's own full-state-dict helpers are: call it on every rank at the
+        same point of the loop. ZeRO-2/3's parameter shards are gathered (every rank takes part
+        in each gather), a tensor-parallel stage's slices joined along their cut dimensions, and a
+        pipelined replica's stages joined under their layers' names.
+        """
+        model = self._objects.get("model")
+        if model is None:
+            raise ElasticError("ctx.model_state_dict() gives the prepared model's state: call ctx.prepare_model(model) "
+                               "first")
+        if not self.in_replicas:
+            return {name: _whole(tensor) for name, tensor in self._model.module.state_dict().items()}
+        part = state_of(model)  # this worker's stage, or its slices of the stage and the dimension each is cut along
+        if self._tensor is not None:
+            from elastic.tensor_parallel_replica import join_slices
+
+            slices = [None] * self.shape.tensor_parallel
+            dist.all_gather_object(slices, _on_cpu(part), group=self._mesh_groups["tp"])
+            part = join_slices(slices)
+        if self.pipelined:
+            stages = [None] * self.shape.pipeline_stages
+            dist.all_gather_object(stages, _on_cpu(part), group=self._mesh_groups["pp"])
+            part = {name: tensor for stage in stages for name, tensor in stage.items()}
+        return part
+
     def register_state(self, name: str, obj: Any) -> None:
         """Sync another stateful object (a tensor, or anything with state_dict/load_state_dict)."""
         if name in self._objects or name == "data_stream":
@@ -458,8 +489,22 @@ class TrainContext:
             if timed and self._step_index < max_steps and self._step_index % AGREEMENT_EVERY_STEPS == 0:
                 self._launch_flag()
         self._flag = None
+        self._keep_final_model()
         self._loader.close()
         self._wait_for_writer()
+
+    def _keep_final_model(self) -> None:
+        """Once the last step committed, rank 0 keeps the whole model (`Result.model_state_dict()`)."""
+        if "model" not in self._objects:
+            return
+        try:
+            whole = self.model_state_dict()
+        except Exception as exc:
+            if not is_peer_failure(exc):
+                raise
+            return  # a peer died at the very end: the Result says there is no whole model, and why
+        if self.rank == 0:
+            self.final_model = whole
 
     def _outer_sync(self) -> bool:
         """Local SGD's sync after an interval's last step; False if a peer died in it (healed)."""
@@ -709,6 +754,7 @@ class TrainContext:
             self._model.ddp = None
         held = [self._data_group, *(self._pipeline.unbind() if self._pipeline is not None else [])]
         self._data_group = None
+        self._mesh_groups = {}
         with self._group_lock:
             self._group = None
         if self._gradient_all_reduce is not None:
@@ -750,6 +796,7 @@ class TrainContext:
             # Before any state moves: the state is this generation's local slices.
             self._tensor.bind(groups["tp"])
         self._data_group = data_group
+        self._mesh_groups = {dim: group for dim, group in groups.items() if dim != "dp"}
         self._gradient_all_reduce = GradientAllReduce(spec.generation, abortable)
         connected = time.perf_counter()
         if spec.restart:
@@ -909,6 +956,18 @@ class TrainContext:
         self._leave()
         if self._loader is not None:
             self._loader.close()
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of a state dict's tensor, gathered whole if it is a shard (a DTensor of ZeRO-2/3)."""
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()  # a collective over the tensor's mesh
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _on_cpu(state: Any) -> Any:
+    """`state` (nested containers of tensors) with every tensor copied to the CPU, to send by pickle."""
+    return tree_map(lambda leaf: leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else leaf, state)
 
 
 def _check_stages_agree(step: int, device: torch.device) -> None:

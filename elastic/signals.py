@@ -39,6 +39,7 @@ class WorkerExited:
     step: int = 0
     traceback: str = ""
     value: Any = None
+    model: Any = None  # a finished rank 0's whole model (TrainContext.final_model)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
+import torch
 
 from elastic.checkpoint import Checkpoint, latest_complete, part_names
 from elastic.config import (DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_replicas_fit,
@@ -44,9 +45,21 @@ class Result:
     path: str
     checkpoint: Checkpoint | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
+    final_model: dict[str, torch.Tensor] | None = None
 
     def events_of(self, type: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["type"] == type]
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole trained model's state dict as of the run's last step, in any layout (DDP,
+        ZeRO-1/2/3, pipelined, tensor-parallel, both): the names and shapes of the model given to
+        `ctx.prepare_model`, on the CPU. With or without a checkpoint schedule."""
+        if self.final_model is None:
+            raise ElasticError(
+                "this run left no whole model: its train loop prepared none (ctx.prepare_model), left ctx.steps() "
+                "before max_steps, or a worker died as the model was gathered at the end; load a checkpoint's "
+                "instead: result.checkpoint.model_state_dict(), with CheckpointConfig(every_steps=N)")
+        return self.final_model
 
 
 class ElasticTrainer:
@@ -149,7 +162,7 @@ class ElasticTrainer:
                 traceback=failure.get("traceback", ""),
             )
         return Result(outcome["metrics"], outcome["step"], outcome["goodput"], outcome["value"], storage.uri,
-                      outcome["checkpoint"], events)
+                      outcome["checkpoint"], events, outcome["model"])
 
     def _check_cluster_can_host_min_workers(self) -> None:
         """Fail before starting anything when the cluster could never host min_workers."""

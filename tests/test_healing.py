@@ -83,6 +83,9 @@ def test_final_parameters_match_one_process_training_the_whole_batch(runs):
     for name, value in reference["params"].items():
         difference = (faulty.value["params"][name] - value).abs().max().item()
         assert difference < PARAM_TOLERANCE, f"{name} differs by {difference}"
+    whole = faulty.model_state_dict()  # what Result offers, with no checkpoint schedule
+    assert whole.keys() == faulty.value["params"].keys()
+    assert all(torch.equal(whole[name], value) for name, value in faulty.value["params"].items())
     # A different run must not match: the comparison can fail.
     assert not torch.equal(reference["params"]["0.weight"], _initial_weight())
 

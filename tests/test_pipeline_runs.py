@@ -110,6 +110,13 @@ def _assert_replica_left_whole_and_came_back(result, dead_rank, size=2):
     assert recovery and not any(r["from_checkpoint"] for r in recovery), "the run restarted instead of healing"
 
 
+def _assert_whole_model(result, reference):
+    """The whole trained model, from the run's Result and from the loop's own ctx.model_state_dict()
+    (every rank called it), equals the plain model's, names included."""
+    for whole in (result.model_state_dict(), result.value["model"]):
+        assert _max_diff(whole, reference) < 1e-9
+
+
 # CI kills a pipelined stage and a tensor-parallel worker inside their average (the harder
 # moment); the soak also kills each at a step's start, and a 3D replica's worker (below).
 WHERES = [pytest.param("step_start", marks=pytest.mark.soak), "allreduce"]
@@ -127,6 +134,7 @@ def test_a_stage_workers_death_takes_out_its_replica_the_other_heals_and_a_new_r
     checkpoint = Checkpoint.from_path(result.checkpoint.path)
     assert checkpoint.step == MAX_STEPS and checkpoint.parts == ["stage-0", "stage-1"]
     assert _max_diff(checkpoint.model_state_dict(), reference) < 1e-9
+    _assert_whole_model(result, reference)
 
 
 @pytest.mark.parametrize("where", WHERES)
@@ -143,6 +151,7 @@ def test_a_tensor_parallel_workers_death_takes_out_its_replica_the_other_heals_a
     assert slices[1]["0.weight"].shape == (16, 16) and slices[1]["2.weight"].shape == (16, 16)  # halves of 32
     assert torch.equal(slices[0]["4.weight"], slices[1]["4.weight"]), "the whole head drifted apart across tp ranks"
     assert _max_diff(checkpoint.model_state_dict(), mlp_reference) < 1e-9
+    _assert_whole_model(result, mlp_reference)
 
 
 # (pipeline_stages, tensor_parallel, victim): a pipelined stage, a tensor-parallel rank, a 3D
@@ -166,6 +175,7 @@ def test_slow_steps_heal_a_replicas_worker_sigkilled_from_outside_inside_a_step(
     _assert_exactly_once(result.value["ledger"])
     plain = references[(stages, tensor_parallel)]
     assert _max_diff(Checkpoint.from_path(result.checkpoint.path).model_state_dict(), plain) < 1e-9
+    _assert_whole_model(result, plain)
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +227,4 @@ def test_a_3d_replica_loses_a_worker_leaves_whole_and_a_new_one_joins(local_ray,
     checkpoint = Checkpoint.from_path(result.checkpoint.path)
     assert checkpoint.parts == ["stage-0-tp-0", "stage-0-tp-1", "stage-1-tp-0", "stage-1-tp-1"]
     assert _max_diff(checkpoint.model_state_dict(), references[(2, 2)]) < 1e-9
+    _assert_whole_model(result, references[(2, 2)])

@@ -74,12 +74,6 @@ def _tensors(value):
             yield from _tensors(item)
 
 
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor as one plain tensor: a ZeRO-3 shard (DTensor) gathered from every rank, a collective.
-    Asked by method, not isinstance: importing DTensor costs every worker of every run a second."""
-    return tensor.full_tensor().detach() if hasattr(tensor, "full_tensor") else tensor
-
-
 def regression_loop(config: dict) -> dict:
     ctx = elastic.get_context()
     dtype = getattr(torch, config.get("dtype", "float64"))
@@ -140,7 +134,7 @@ def regression_loop(config: dict) -> dict:
         x, y = dataset.tensors
         final_loss = torch.nn.functional.mse_loss(model.module(x), y).item()
     return {
-        "params": {k: whole(v).clone() for k, v in model.module.state_dict().items()},
+        "params": ctx.model_state_dict(),  # whole in any layout: ZeRO-3's shards gathered on every rank
         "ledger": ledger.clone(),
         "checked": checked,
         "pid": os.getpid(),
@@ -204,7 +198,7 @@ def pipeline_loop(config: dict) -> dict:
             losses[step.index] = loss.item()
             elastic.report({"loss": loss.item()})
         hold_at_gate(config, step.index)
-    return {"ledger": ledger.clone(), "stage": ctx.pipeline_stage, "losses": losses}
+    return {"ledger": ledger.clone(), "stage": ctx.pipeline_stage, "losses": losses, "model": ctx.model_state_dict()}
 
 
 def build_tensor_parallel_mlp(dtype: torch.dtype = torch.float64) -> torch.nn.Sequential:
@@ -241,7 +235,7 @@ def tensor_parallel_loop(config: dict) -> dict:
             optimizer.zero_grad()
             ledger[step.cursor.epoch] += counts
         hold_at_gate(config, step.index)
-    return {"ledger": ledger.clone()}
+    return {"ledger": ledger.clone(), "model": ctx.model_state_dict()}
 
 
 def plain_reference(max_steps: int, global_batch: int = GLOBAL_BATCH, build=None, optimizer=None, seed: int = 0,
