@@ -1,0 +1,112 @@
+"""A Hugging Face model, as most users bring one: a tiny GPT-2 built from its config (no download),
+trained through `ctx.prepare_model` with AdamW under `Strategy(precision="bf16")`, on 3 workers
+(min 2), one of which is SIGKILLed from outside mid-step; the run heals, grows back, and ends
+with the whole model a fresh GPT-2 loads by its own names.
+"""
+
+import inspect
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import ray
+import torch
+
+import elastic
+from elastic import DataConfig, ElasticTrainer, RunConfig, ScalingConfig, Strategy
+from workloads import OutsideKiller, fit_held, hold_at_gate, workers_started
+
+transformers = pytest.importorskip("transformers")
+
+# The train loop below is defined here; Ray workers cannot import the tests folder.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.timeout(300)
+
+WINDOW = 32
+GLOBAL_BATCH = 32
+MAX_STEPS = 40
+STEP_S = 0.05
+
+
+def gpt2_config():
+    return transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=64)
+
+
+class ByteWindows(torch.utils.data.Dataset):
+    """Windows of WINDOW bytes of a Python source file: a tiny, fixed corpus with structure to learn."""
+
+    def __init__(self):
+        text = inspect.getsource(torch.nn.modules.linear).encode()
+        self.tokens = torch.tensor(list(text), dtype=torch.long)
+
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, index):
+        start = index * (len(self.tokens) - WINDOW) // len(self)
+        return self.tokens[start:start + WINDOW]
+
+
+def gpt2_loop(config: dict) -> dict:
+    ctx = elastic.get_context()
+    torch.manual_seed(0)
+    model = ctx.prepare_model(transformers.GPT2LMHeadModel(gpt2_config()))
+    optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
+    dataset = ByteWindows()
+    ledger = torch.zeros(-(-MAX_STEPS * GLOBAL_BATCH // len(dataset)), len(dataset), dtype=torch.float64)
+    ctx.register_state("ledger", ledger)
+    outputs, losses = set(), {}
+    for step in ctx.steps(dataset):
+        with step:
+            counts = torch.zeros(len(dataset), dtype=torch.float64)
+            for mb in step.micro_batches():
+                out = model(input_ids=mb.data, labels=mb.data)
+                outputs.add(type(out).__name__)
+                counts[mb.indices] += 1
+                mb.backward(out.loss)  # a ModelOutput's .loss, read under bf16 autocast
+            torch.distributed.all_reduce(counts)
+            optimizer.step()
+            optimizer.zero_grad()
+            ledger[step.cursor.epoch] += counts
+        losses[step.index] = out.loss.item()  # this rank's last micro-batch's: rank 0's is the Result's
+        hold_at_gate(config, step.index)
+        time.sleep(STEP_S)
+    return {"outputs": sorted(outputs), "losses": losses, "ledger": ledger.clone()}
+
+
+def test_a_hugging_face_gpt2_heals_grows_back_keeps_its_output_type_under_bf16_and_ends_whole(local_ray, tmp_path):
+    killer = OutsideKiller("mid-step", str(tmp_path), "gpt2", SimpleNamespace(compute_s=STEP_S), seed=2, victim=1,
+                           world_size=3, from_step=10)
+    killer.start()
+    result = fit_held(ElasticTrainer(
+        gpt2_loop,
+        # Held after step 0 until all 3 started, and after step 20 (past the kill) until the
+        # replacement started: importing transformers takes seconds, longer than the run's steps.
+        train_loop_config={"gate": (0, str(tmp_path / "gpt2-started")), "gates": [(20, str(tmp_path / "gpt2-back"))]},
+        scaling_config=ScalingConfig(min_workers=2, max_workers=3),
+        run_config=RunConfig(name="gpt2", storage_path=str(tmp_path)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=MAX_STEPS),
+        strategy=Strategy(precision="bf16"),
+        show_progress=False,
+    ), workers_started(3), workers_started(4))
+    assert killer.done.wait(60) and killer.killed, "the outside kill never happened"
+    assert result.step == MAX_STEPS
+    assert [e["kind"] for e in result.events_of("worker_failed")] == ["death"]
+    assert [e["world_size"] for e in result.events_of("generation_formed")][-2:] == [2, 3], "no heal and grow back"
+    assert result.value["outputs"] == ["CausalLMOutputWithCrossAttentions"], "bf16 changed the model's output type"
+    ledger = result.value["ledger"]
+    assert torch.equal(ledger, torch.ones_like(ledger)), "a sample was lost or seen twice"
+    losses = result.value["losses"]
+    assert losses[MAX_STEPS - 1] < 0.8 * losses[0], f"the loss did not fall: {losses[0]} -> {losses[MAX_STEPS - 1]}"
+    trained, initial = transformers.GPT2LMHeadModel(gpt2_config()), _initial_gpt2()
+    trained.load_state_dict(result.model_state_dict())  # strict: the names of the model given to prepare_model
+    batch = torch.stack([ByteWindows()[i] for i in range(GLOBAL_BATCH)])
+    with torch.no_grad():
+        assert trained(input_ids=batch, labels=batch).loss < 0.8 * initial(input_ids=batch, labels=batch).loss
+
+
+def _initial_gpt2():
+    torch.manual_seed(0)  # as the loop builds it
+    return transformers.GPT2LMHeadModel(gpt2_config())
