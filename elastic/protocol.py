@@ -237,7 +237,7 @@ class Protocol:
         self.note_step(obs.step)
         state = self.state
         if obs.straggler is not None and isinstance(state, Running):
-            return self._evict_straggler(*obs.straggler)
+            return self._evict_straggler(*obs.straggler, now)
         if isinstance(state, Waiting):
             if now > state.deadline:
                 live = len(self.members) + len(self._with(Status.IDLE))
@@ -303,7 +303,7 @@ class Protocol:
                 return []
         for worker_id in hung:
             why = f"was behind its peers at {suspects[worker_id]}, past the hang deadline"
-            actions += self._evict(worker_id, "hang", why, detect_s=self.stalled_s, deadline_s=self.deadline_s)
+            actions += self._give_up(worker_id, "hang", why, now, detect_s=self.stalled_s, deadline_s=self.deadline_s)
         return actions
 
     def _lose_unreachable(self, obs: ProgressPolled, now: float) -> list[Action]:
@@ -319,8 +319,7 @@ class Protocol:
             self.failure_at = min(self.failure_at or now, self.stalled_since)
             self.detect_s = max(self.detect_s, now - self.stalled_since)
             why = f"answered no ping within FailureConfig(ping_timeout_s={self.failure.ping_timeout_s})"
-            actions += self._evict(worker_id, "unreachable", why, detect_s=now - self.stalled_since)
-            actions += self._lose(worker_id, now)
+            actions += self._give_up(worker_id, "unreachable", why, now, detect_s=now - self.stalled_since)
         return actions
 
     def fenced(self, worker_id: int) -> bool:
@@ -511,11 +510,18 @@ class Protocol:
         record.evicted_for = kind
         return [self._worker_failed(worker_id, kind, why, **fields), Kill(worker_id)]
 
-    def _evict_straggler(self, worker_id: int, reason: str) -> list[Action]:
+    def _give_up(self, worker_id: int, kind: str, why: str, now: float, **fields: float) -> list[Action]:
+        """Evict a member and lose it at once, as a death: the heal's offer goes out now, without
+        it, and releases whoever waits on it. Waiting for its kill to land first would leave it in
+        the membership meanwhile, and a formation offered then (a survivor's broken collective
+        asks for one) would wait on it."""
+        return self._evict(worker_id, kind, why, **fields) + self._lose(worker_id, now)
+
+    def _evict_straggler(self, worker_id: int, reason: str, now: float) -> list[Action]:
         if self.workers[worker_id].status != Status.MEMBER or self.workers[worker_id].evicted_for:
             return []
         return [self._decision("EVICT", f"worker {worker_id} is a straggler: {reason}"),
-                *self._evict(worker_id, "straggler", reason)]
+                *self._give_up(worker_id, "straggler", reason, now)]
 
     def _maybe_finished(self) -> list[Action]:
         if any(self.workers[w].status != Status.GONE for w in self.members):

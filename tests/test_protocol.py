@@ -533,6 +533,13 @@ def test_a_straggler_is_evicted_with_its_reason():
     group.send(Tick(straggler=(2, "its compute took 3x the others' median")))
     assert group.killed == [2]
     assert group.events("decision")[-1]["action"] == "EVICT"
+    # Lost at once: the heal is offered before its kill lands, and a survivor's collective that
+    # breaks meanwhile (the evicted one still sends) never brings it back into a formation.
+    assert group.latest_offer.formation.members == (0, 1)
+    group.send(GroupBroken(1, generation=0))
+    group.die(2)
+    assert all(2 not in offer.formation.members for offer in group.offers.values() if offer.formation.generation > 0)
+    assert [e["kind"] for e in group.events("worker_failed")] == ["straggler"]
 
 
 # --- finishing --------------------------------------------------------------------------------------
@@ -669,9 +676,11 @@ def test_a_hung_worker_is_evicted_with_its_replica_and_a_mate_already_evicted_is
     group.start_run(0, 1, 2, 3)
     group.send(Tick(last_step_at=group.now - 6, deadline_s=5.0), after_s=6.0)
     group.send(ProgressPolled({0: progress(10), 1: progress(10), 2: progress(10), 3: progress(10, entered_sync=9)}))
-    assert group.killed == [3]
-    group.die(3)
+    # Given up on, it is lost at once with its replica: both killed, the heal offered without waiting for the kill.
     assert group.killed == [3, 2] and group.latest_offer.formation.members == (0, 1)
+    offers = len(group.offers)
+    group.die(3)
+    assert group.killed == [3, 2] and len(group.offers) == offers, "the hung worker's death was healed twice"
     # Every member evicted at once (a collective deadlock): each death releases mates already killed.
     group = replicas(max_failures=1)
     group.start_run(0, 1, 2, 3)
