@@ -1,6 +1,6 @@
 """The controller actor: one per run. It hosts the rendezvous store and carries out the protocol.
 
-Every decision lives in `elastic.protocol`. This actor only turns what Ray tells it into
+Every decision lives in `elastic.controller.protocol`. This actor only turns what Ray tells it into
 observations (a worker is ready, its `run` call ended or failed, its group broke, it formed a
 generation) and carries out the actions the protocol returns: start workers, prepare, offer
 or abort a generation, kill a worker, poll progress, journal an event. Observations queue on
@@ -24,18 +24,18 @@ from ray.util.scheduling_strategies import NodeLabelSchedulingStrategy, NotIn, P
 
 from actors.metrics import RunMetrics
 from actors.worker import Worker
-from elastic import policies, signals
-from elastic.checkpoint import Checkpoint, latest_complete
+from elastic.checkpoint.checkpoint import Checkpoint, latest_complete
+from elastic.checkpoint.shards import ShardCollector
+from elastic.checkpoint.storage import RunStorage
+from elastic.comm.group import GenerationSpec, abort_generation
 from elastic.config import DataConfig, RunConfig, ScalingConfig, Strategy
-from elastic.events import EventJournal, read_events
+from elastic.controller import policies, signals
+from elastic.controller.progress import ProgressTracker
+from elastic.controller.protocol import Protocol, Status
+from elastic.controller.states import Failed, Formation
 from elastic.faults import Fault
-from elastic.group import GenerationSpec, abort_generation
-from elastic.shards import ShardCollector
-from elastic.progress import ProgressTracker
-from elastic.protocol import Protocol, Status
-from elastic.replicas import ReplicaShape
-from elastic.states import Failed, Formation
-from elastic.storage import RunStorage
+from elastic.journal.events import EventJournal, read_events
+from elastic.parallel.replicas import ReplicaShape
 
 NODE_ID_LABEL = "ray.io/node-id"  # a label Ray gives every node
 TICK_S = 0.5

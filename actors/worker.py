@@ -21,17 +21,17 @@ import psutil
 import ray
 import torch
 
-from elastic.binding import bind_collectives_to
-from elastic.checkpoint import CheckpointWriter
+from elastic.checkpoint.checkpoint import CheckpointWriter
+from elastic.checkpoint.storage import RunStorage
+from elastic.comm.binding import bind_collectives_to
+from elastic.comm.group import GenerationSpec, is_peer_failure
 from elastic.config import CheckpointConfig, DataConfig, Strategy
-from elastic.context import TrainContext, _set_current
+from elastic.controller.progress import LINK_MIN_BYTES
 from elastic.errors import WorkerEvictedError
 from elastic.faults import Fault
-from elastic.group import GenerationSpec, is_peer_failure
-from elastic.mailbox import GenerationMailbox
-from elastic.progress import LINK_MIN_BYTES
-from elastic.replicas import ReplicaShape
-from elastic.storage import RunStorage
+from elastic.parallel.replicas import ReplicaShape
+from elastic.worker.context import TrainContext, _set_current
+from elastic.worker.mailbox import GenerationMailbox
 
 REPORT_FLUSH_INTERVAL_S = 0.2
 # `with step` and ctx.between_steps() heal a peer's death; one that reaches here came from a
@@ -76,7 +76,7 @@ class Worker:
             on_fault=self._on_fault, strategy=strategy, shape=shape, slot=slot,
             latest_checkpoint=lambda: ray.get(controller.latest_checkpoint_of_run.remote()),
         )
-        self.binds = ""  # set when the run starts (elastic.binding)
+        self.binds = ""  # set when the run starts (elastic.comm.binding)
         self.address = ""  # this node's, which its peers' connections see
         self._measure_links = measure_links  # only a straggler check reads them (find_slow_link)
         self._stop = threading.Event()
@@ -140,7 +140,7 @@ class Worker:
 
     @ray.method(concurrency_group="control")
     def prepare(self, generation: int) -> int:
-        """Phase one of a planned switch: the step this rank is at (see elastic.mailbox)."""
+        """Phase one of a planned switch: the step this rank is at (see elastic.worker.mailbox)."""
         self.ctx.faults.at("prepare", self.ctx.rank, self.ctx.step)
         return self.mailbox.prepare(generation)
 
@@ -179,7 +179,7 @@ class Worker:
 
     def _links_sample(self) -> dict[str, Any] | None:
         """What this generation's connections sent each peer so far, for the controller's check of
-        a slow link (`elastic.policies.find_slow_link`): read from the kernel, off the train thread."""
+        a slow link (`elastic.controller.policies.find_slow_link`): read from the kernel, off the train thread."""
         current = self.ctx.links
         if current is None:
             return None

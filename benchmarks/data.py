@@ -8,7 +8,7 @@ data set, and a worker's memory as the data set grows.
 Run it from the repository root. Figures, each a median over the rounds with min, median and
 max under `spread.<key>`:
 
-- loader_samples_s_ratio_vs_pyarrow: samples per second of one rank's `elastic.loader.Loader`
+- loader_samples_s_ratio_vs_pyarrow: samples per second of one rank's `elastic.data.loader.Loader`
   over an `elastic.ParquetDataset` (shuffled: blocks and windows, world size 1, a global batch
   of 256) through one epoch of Parquet files of 256-byte token windows, over a bare
   `pyarrow.dataset` scan of the same files in file order, each batch turned into a tensor the
@@ -54,9 +54,9 @@ import torch
 import elastic
 from benchmarks import workload
 from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures, print_medians
-from elastic.data import DataCursor
-from elastic.loader import Loader
-from elastic.parquet import _column_array
+from elastic.data.loader import Loader
+from elastic.data.order import DataCursor
+from elastic.data.parquet import _column_array
 
 ROWS = 131_072
 TOKENS = 256

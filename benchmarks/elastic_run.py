@@ -1,6 +1,6 @@
 """elastic's ElasticTrainer on the benchmark workload: steady steps, and healing after a kill.
 
-The train loop is the one in elastic/context.py's docstring. It stamps every committed step
+The train loop is the one in elastic/worker/context.py's docstring. It stamps every committed step
 with its generation and world size (and, if asked, every step a peer's death failed) and
 returns the stamps; `Result.value` is what the lowest surviving worker returned, so a killed
 rank never has to hand anything back.

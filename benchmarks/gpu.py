@@ -5,7 +5,7 @@
 
 Without CUDA it says so and exits with code 2. It measures, each as min, median and max:
 
-- NCCL generations, the way a worker joins and leaves them (`elastic.group`): one process per
+- NCCL generations, the way a worker joins and leaves them (`elastic.comm.group`): one process per
   GPU (world size 1, and 2 where there are two GPUs) forms generation 0 (the store barrier,
   `init_process_group` and the first all-reduce, which is when NCCL builds its communicator),
   then aborts it as a heal does (`abort_communicator` from another thread, then
@@ -13,7 +13,7 @@ Without CUDA it says so and exits with code 2. It measures, each as min, median 
 - the demo's LM (`elastic.demo.model.TinyLM` with the demo's ModelConfig, AdamW, a batch of
   LM_BATCH windows of the demo's length) on one GPU: steps per second in fp32 and under bf16
   autocast;
-- the checkpoint stall from GPU memory: `elastic.checkpoint.take_snapshot` of a model and its
+- the checkpoint stall from GPU memory: `elastic.checkpoint.checkpoint.take_snapshot` of a model and its
   AdamW state of about SNAPSHOT_PARAMS parameters (~SNAPSHOT_PARAMS * 12 bytes), against a
   plain `.cpu()` copy of every tensor of the same state.
 """
@@ -95,7 +95,7 @@ def nccl_generations(world_size: int) -> dict[str, Any]:
 
 
 def _generations_member(rank: int, world_size: int, port: int, results: Any) -> None:
-    from elastic.group import GenerationSpec, StoreClient, abort_communicator, form_group, leave_group, rendezvous
+    from elastic.comm.group import GenerationSpec, StoreClient, abort_communicator, form_group, leave_group, rendezvous
 
     torch.cuda.set_device(rank)
     store = StoreClient().get("127.0.0.1", port)
@@ -164,8 +164,8 @@ def lm_steps_per_s(precision: str) -> dict[str, Any]:
 # --- checkpoint stall from GPU memory -----------------------------------------------------------------
 def checkpoint_stall() -> dict[str, Any]:
     """`take_snapshot` of a GPU-resident model and AdamW state against a plain `.cpu()` copy."""
-    from elastic.checkpoint import take_snapshot
-    from elastic.state_sync import state_of
+    from elastic.checkpoint.checkpoint import take_snapshot
+    from elastic.comm.state_sync import state_of
 
     width = 4096
     layers = max(1, SNAPSHOT_PARAMS // (width * width))

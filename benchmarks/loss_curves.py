@@ -29,11 +29,11 @@ import time
 import ray
 
 from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures
+from elastic.checkpoint.storage import RunStorage
 from elastic.config import Strategy
 from elastic.demo.train import DemoConfig, default_fault, run_demo
-from elastic.events import read_events
-from elastic.storage import RunStorage
-from elastic.timeline import draw_comparison, loss_by_step
+from elastic.journal.events import read_events
+from elastic.journal.timeline import draw_comparison, loss_by_step
 
 STEPS = 160
 LAST_LOSSES = 3

@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks.pipeline_bubble --rounds 1 --out /tmp/pipeline.json
 
 Run it from the repository root. Two processes on this machine form a gloo group and train a
-`PipelinedModel` (elastic/pipeline.py) of p = 2 stages, each stage a Linear layer of WIDTH and a
+`PipelinedModel` (elastic/parallel/pipeline.py) of p = 2 stages, each stage a Linear layer of WIDTH and a
 `_Busy` layer, with m = 4 and m = 8 micro-batches of MICROBATCH_ROWS rows, under GPipe and 1F1B
 in turn. Per step and per stage:
 
@@ -51,7 +51,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures, print_medians
-from elastic.pipeline import PipelinedModel
+from elastic.parallel.pipeline import PipelinedModel
 
 STAGES = 2
 MICROBATCHES = (4, 8)

@@ -53,11 +53,11 @@ import torch
 import elastic
 from benchmarks import workload
 from benchmarks.bench import command_line, merge_figures, parse_rounds, print_medians
+from elastic.checkpoint.storage import RunStorage
 from elastic.demo.corpus import prepare_corpus
 from elastic.demo.model import ModelConfig, TinyLM, next_byte_loss, next_byte_pairs
 from elastic.demo.train import DemoConfig, default_fault, run_demo
-from elastic.events import read_events
-from elastic.storage import RunStorage
+from elastic.journal.events import read_events
 
 WORKERS = 4
 STAGES = 2

@@ -33,7 +33,7 @@ journal (`Result.events`):
 - decide_s, as above: the controller's decision time;
 - bytes_per_rank: bytes each rank of the healed generation sends in the state sync, as min,
   median and max over its ranks. Not measured on the wire: computed from what the sync sends
-  (`elastic.state_sync`): an all-gather of each rank's step and whether it holds live state
+  (`elastic.comm.state_sync`): an all-gather of each rank's step and whether it holds live state
   (two int64; gloo's ring: W-1 sends of them per rank). Here that is all: the kill lands
   before rank 1 starts its all-reduce, so no survivor commits the step and all hold the same
   state. `bytes_per_rank_one_ahead` is the heal in which one survivor had committed a step
@@ -70,8 +70,8 @@ from torch.utils.data import TensorDataset
 
 import elastic
 from benchmarks.bench import _provenance, command_line
-from elastic.flat_state import flatten
-from elastic.state_sync import state_of
+from elastic.comm.flat_state import flatten
+from elastic.comm.state_sync import state_of
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results", "scale.json")

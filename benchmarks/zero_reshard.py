@@ -44,8 +44,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures, print_medians
-from elastic.fsdp import FullyShardedModel
-from elastic.zero import ShardedOptimizer
+from elastic.techniques.fsdp import FullyShardedModel
+from elastic.techniques.zero import ShardedOptimizer
 
 WIDTH = 2048
 LAYERS = 2  # 2 x (2048 x 2048 + 2048): 8.4 M parameters, 67 MB of AdamW state

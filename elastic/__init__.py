@@ -6,8 +6,7 @@ worker's train loop) can be imported without pulling in the driver's side; so is
 """
 
 from elastic.config import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig, Strategy
-from elastic.context import TrainContext, get_checkpoint, get_context, report
-from elastic.data import DataCursor
+from elastic.data.order import DataCursor
 from elastic.errors import (
     CapacityTimeoutError,
     ElasticError,
@@ -16,7 +15,8 @@ from elastic.errors import (
     UnweightedBackwardError,
 )
 from elastic.faults import Fault, parse_fault
-from elastic.step import MicroBatch, Step
+from elastic.worker.context import TrainContext, get_checkpoint, get_context, report
+from elastic.worker.step import MicroBatch, Step
 
 __all__ = [
     "CapacityTimeoutError",
@@ -51,7 +51,7 @@ def __getattr__(name: str):
 
         return getattr(trainer, name)
     if name == "ParquetDataset":
-        from elastic.parquet import ParquetDataset
+        from elastic.data.parquet import ParquetDataset
 
         return ParquetDataset
     raise AttributeError(f"module 'elastic' has no attribute {name!r}")

@@ -31,9 +31,9 @@ from pydantic import ValidationError
 
 from elastic.demo.train import DEFAULT_REPLICAS, DemoConfig, default_fault, run_demo
 from elastic.errors import ElasticError
-from elastic.events import EVENT_TYPES
 from elastic.faults import Fault, parse_fault
-from elastic.run_view import (
+from elastic.journal.events import EVENT_TYPES
+from elastic.journal.run_view import (
     Run,
     checkpoints_uri,
     format_age,
@@ -336,7 +336,7 @@ def _add_plot(commands: argparse._SubParsersAction) -> None:
 
 
 def _draw_plot(run: Run, args: argparse.Namespace) -> int:
-    from elastic.timeline import draw_comparison, draw_timeline
+    from elastic.journal.timeline import draw_comparison, draw_timeline
 
     if args.compare:
         runs = {run.name: run.events}

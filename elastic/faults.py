@@ -61,7 +61,7 @@ class Fault(BaseModel):
 
     @property
     def point(self) -> str:
-        """Where in a worker's life it fires (see `elastic.injection`); a hang always acts in the all-reduce."""
+        """Where in a worker's life it fires (see `elastic.worker.injection`); a hang always acts in the all-reduce."""
         return "allreduce" if self.kind == "hang" else self.where
 
     @property

@@ -21,14 +21,14 @@ from typing import Any, Callable
 import ray
 import torch
 
-from elastic.checkpoint import Checkpoint, latest_complete, part_names
+from elastic.checkpoint.checkpoint import Checkpoint, latest_complete, part_names
+from elastic.checkpoint.storage import RunStorage
 from elastic.config import (DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_replicas_fit,
                             check_strategy_fits)
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
-from elastic.events import read_events
 from elastic.faults import Fault, check_faults
-from elastic.display import ProgressDisplay
-from elastic.storage import RunStorage
+from elastic.journal.display import ProgressDisplay
+from elastic.journal.events import read_events
 
 STATUS_POLL_S = 0.5
 HEAD_NODE_RESOURCE = "node:__internal_head__"

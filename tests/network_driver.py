@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import workloads  # noqa: E402
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
-from elastic.events import read_events  # noqa: E402
-from elastic.storage import RunStorage  # noqa: E402
+from elastic.checkpoint.storage import RunStorage  # noqa: E402
+from elastic.journal.events import read_events  # noqa: E402
 
 DRIVER = Path(__file__)
 CUT_AT_STEP = 20  # training is held here until every worker started (a slow start takes a grow first)

@@ -11,7 +11,7 @@ import socket
 import psutil
 import pytest
 
-from elastic.binding import GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, bind_collectives_to, interface_of
+from elastic.comm.binding import GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, bind_collectives_to, interface_of
 
 
 def _hostname_is_loopback() -> bool:

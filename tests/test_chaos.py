@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
-from elastic.checkpoint import checkpoint_steps, checkpoint_storage, step_dir, verify
-from elastic.storage import RunStorage
+from elastic.checkpoint.checkpoint import checkpoint_steps, checkpoint_storage, step_dir, verify
+from elastic.checkpoint.storage import RunStorage
 from workloads import GLOBAL_BATCH, STEPS_PER_EPOCH, regression_loop, regression_reference
 
 MAX_STEPS = 14 * STEPS_PER_EPOCH

@@ -10,8 +10,8 @@ import pickle
 import pytest
 import torch
 
-from elastic import checkpoint as checkpoint_module
-from elastic.checkpoint import (
+from elastic.checkpoint import checkpoint as checkpoint_module
+from elastic.checkpoint.checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointWriter,
@@ -24,8 +24,8 @@ from elastic.checkpoint import (
     verify,
     write_manifest,
 )
-from elastic.state_sync import state_of
-from elastic.storage import RunStorage
+from elastic.checkpoint.storage import RunStorage
+from elastic.comm.state_sync import state_of
 
 
 def _model_and_optimizer(seed=0):

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from elastic import cli
-from elastic.checkpoint import MANIFEST, step_dir, write_manifest
-from elastic.events import EventJournal, make_event, read_events, segment_name
-from elastic.run_view import RECENT_EVENTS, list_checkpoints, open_run, run_status
-from elastic.storage import RunStorage
+from elastic.checkpoint.checkpoint import MANIFEST, step_dir, write_manifest
+from elastic.checkpoint.storage import RunStorage
+from elastic.journal.events import EventJournal, make_event, read_events, segment_name
+from elastic.journal.run_view import RECENT_EVENTS, list_checkpoints, open_run, run_status
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,8 +12,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from elastic import DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
-from elastic.events import read_events
-from elastic.storage import RunStorage
+from elastic.checkpoint.storage import RunStorage
+from elastic.journal.events import read_events
 from workloads import GLOBAL_BATCH, NUM_SAMPLES, STEPS_PER_EPOCH, pipeline_loop, regression_loop, workers_started
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster]

@@ -9,10 +9,10 @@ import pytest
 from pydantic import ValidationError
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy, parse_fault
-from elastic.checkpoint import Checkpoint
+from elastic.checkpoint.checkpoint import Checkpoint
+from elastic.checkpoint.storage import RunStorage, StorageError
 from elastic.config import check_fits, check_replicas_fit, parse_sync
 from elastic.errors import ElasticError
-from elastic.storage import RunStorage, StorageError
 
 
 def test_min_workers_above_max_workers_is_rejected_with_both_numbers():
@@ -260,7 +260,7 @@ def test_a_storage_filesystem_that_is_not_a_pyarrow_filesystem_is_rejected():
 
 
 def test_resuming_from_a_folder_that_is_not_a_checkpoint_fails_before_anything_starts(tmp_path):
-    from elastic.checkpoint import CheckpointError
+    from elastic.checkpoint.checkpoint import CheckpointError
 
     (tmp_path / "not-a-checkpoint").mkdir()
     trainer = _trainer(

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from elastic.config import DataConfig
-from elastic.errors import ElasticError
-from elastic.data import (
+from elastic.data.loader import Loader
+from elastic.data.order import (
     DataCursor,
     EpochOrder,
     fetch,
@@ -20,8 +20,8 @@ from elastic.data import (
     share_bounds,
     step_positions,
 )
-from elastic.loader import Loader
-from elastic.parquet import ParquetDataset
+from elastic.data.parquet import ParquetDataset
+from elastic.errors import ElasticError
 
 
 @pytest.mark.parametrize("global_batch, world_size", [(64, 1), (64, 3), (10, 4), (7, 7), (100, 6)])

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.checkpoint import Checkpoint
+from elastic.checkpoint.checkpoint import Checkpoint
 from elastic.demo.model import ModelConfig, TinyLM, next_byte_loss, next_byte_pairs
 from elastic.demo.train import DemoConfig, run_demo
-from elastic.pipeline import PipelinedModel
+from elastic.parallel.pipeline import PipelinedModel
 from gloo_processes import client, join, spawn
 
 pytestmark = pytest.mark.timeout(120)

@@ -4,7 +4,7 @@ import io
 
 import pytest
 
-from elastic.display import PLAIN_LINE_INTERVAL_S, ProgressDisplay, plain_line
+from elastic.journal.display import PLAIN_LINE_INTERVAL_S, ProgressDisplay, plain_line
 
 pytestmark = pytest.mark.timeout(30)
 

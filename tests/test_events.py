@@ -13,8 +13,8 @@ import threading
 import pyarrow.fs as pafs
 import pytest
 
-from elastic.events import EVENT_TYPES, EventJournal, has_journal, read_events, segment_name
-from elastic.storage import RunStorage
+from elastic.checkpoint.storage import RunStorage
+from elastic.journal.events import EVENT_TYPES, EventJournal, has_journal, read_events, segment_name
 
 pytestmark = pytest.mark.timeout(120)
 

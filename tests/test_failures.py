@@ -5,9 +5,9 @@ import pytest
 import ray
 
 from elastic import CapacityTimeoutError, DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
+from elastic.checkpoint.storage import RunStorage
 from elastic.errors import ElasticError, TrainingFailedError
-from elastic.events import read_events
-from elastic.storage import RunStorage
+from elastic.journal.events import read_events
 from workloads import GLOBAL_BATCH, fit_held, regression_loop, workers_started
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,4 +1,4 @@
-"""ZeRO-2 and ZeRO-3 on FSDP2 with live resharding (`elastic.fsdp`) against one plain model and
+"""ZeRO-2 and ZeRO-3 on FSDP2 with live resharding (`elastic.techniques.fsdp`) against one plain model and
 AdamW on the whole batch, in real processes on gloo, no Ray.
 
 Each rank trains on its share of the batch; FSDP2 reduce-scatters the gradients' mean, which is
@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic.errors import ElasticError
-from elastic.fsdp import FullyShardedModel
-from elastic.zero import ShardedOptimizer
+from elastic.techniques.fsdp import FullyShardedModel
+from elastic.techniques.zero import ShardedOptimizer
 from gloo_processes import client, join, spawn
 
 pytestmark = pytest.mark.timeout(180)

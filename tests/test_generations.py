@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from elastic.comm.group import GenerationSpec
 from elastic.config import DataConfig
-from elastic.context import TrainContext, _set_current
-from elastic.group import GenerationSpec
-from elastic.mailbox import PREPARE_SLACK_STEPS, GenerationMailbox
+from elastic.controller.signals import PREPARE_SLACK_STEPS
+from elastic.worker.context import TrainContext, _set_current
+from elastic.worker.mailbox import GenerationMailbox
 
 pytestmark = pytest.mark.timeout(120)
 MAX_STEPS = 20

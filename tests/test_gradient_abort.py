@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic.group import PEER_ABORT_MARKER, GradientAllReduce, is_peer_failure, leave_group
+from elastic.comm.group import PEER_ABORT_MARKER, GradientAllReduce, is_peer_failure, leave_group
 
 pytestmark = pytest.mark.timeout(120)
 WORLD_SIZE = 3

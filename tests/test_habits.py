@@ -15,14 +15,14 @@ import torch
 
 import elastic
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, RunConfig, ScalingConfig
-from elastic.checkpoint import Checkpoint, checkpoint_storage, verify
-from elastic.context import TrainContext
-from elastic.step import Step
-from elastic.data import DataCursor
+from elastic.checkpoint.checkpoint import Checkpoint, checkpoint_storage, verify
+from elastic.checkpoint.reported import files_to_store
+from elastic.checkpoint.storage import RunStorage
+from elastic.data.order import DataCursor
 from elastic.errors import ElasticError, ReportedCheckpointError, TrainingFailedError
-from elastic.mailbox import GenerationMailbox
-from elastic.reported import files_to_store
-from elastic.storage import RunStorage
+from elastic.worker.context import TrainContext
+from elastic.worker.mailbox import GenerationMailbox
+from elastic.worker.step import Step
 from workloads import GLOBAL_BATCH, build_mlp, regression_data
 
 # The train loops below are defined here; Ray workers cannot import the tests folder.
@@ -257,7 +257,7 @@ def test_a_ray_train_checkpoint_is_reported_as_the_directory_it_names(tmp_path):
 
 def test_an_lr_scheduler_wraps_the_fp16_prepared_optimizer_and_steps_it():
     # LR schedulers patch `optimizer.step.__func__`: fp16's loss-scaling step must stay a bound method.
-    from elastic.precision import Precision
+    from elastic.techniques.precision import Precision
 
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.group import is_peer_failure
-from elastic.links import GroupLinks
+from elastic.comm.group import is_peer_failure
+from elastic.comm.links import GroupLinks
 from gloo_processes import client, join, spawn
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""EASGD's sync (`elastic.local_sgd.OuterSync`) against the paper's arithmetic, in two real gloo
+"""EASGD's sync (`elastic.techniques.local_sgd.OuterSync`) against the paper's arithmetic, in two real gloo
 processes, no Ray; and the model a checkpoint takes from it, in one process.
 
 Each rank moves its parameters away from the shared initial model by its own known amount,
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic.local_sgd import OuterSync
+from elastic.techniques.local_sgd import OuterSync
 from gloo_processes import client, join, spawn
 
 pytestmark = pytest.mark.timeout(120)

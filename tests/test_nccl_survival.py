@@ -12,12 +12,12 @@ import sys
 
 import pytest
 
-from elastic import context as context_module
+from elastic.comm.group import NCCL_ERROR_HANDLING, NCCL_SURVIVOR_MODE
+from elastic.comm.links import GroupLinks
 from elastic.config import DataConfig
-from elastic.context import TrainContext
-from elastic.group import NCCL_ERROR_HANDLING, NCCL_SURVIVOR_MODE
-from elastic.links import GroupLinks
-from elastic.mailbox import GenerationMailbox
+from elastic.worker import context as context_module
+from elastic.worker.context import TrainContext
+from elastic.worker.mailbox import GenerationMailbox
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.mark.parametrize("inherited", ["1", "3", ""])
 def test_the_nccl_watchdog_never_tears_a_survivor_down(inherited):
     env = {**os.environ, NCCL_ERROR_HANDLING: inherited}
-    code = f"import elastic.group, os; print(os.environ[{NCCL_ERROR_HANDLING!r}])"
+    code = f"import elastic.comm.group, os; print(os.environ[{NCCL_ERROR_HANDLING!r}])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == NCCL_SURVIVOR_MODE == "2"
 

@@ -29,8 +29,8 @@ import time
 import pytest
 import torch
 
-from elastic.checkpoint import Checkpoint, checkpoint_steps, checkpoint_storage, step_dir, verify
-from elastic.storage import RunStorage
+from elastic.checkpoint.checkpoint import Checkpoint, checkpoint_steps, checkpoint_storage, step_dir, verify
+from elastic.checkpoint.storage import RunStorage
 from elastic.testing import NetworkCluster
 from network_driver import (DATA_SEED, FAST, GROWING, HEAVY, SLOW, WIDE, cut_mid_step, events, node_of, result, start_full,
                             wait_for)

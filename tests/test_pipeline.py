@@ -1,4 +1,4 @@
-"""Pipeline parallelism (`elastic.pipeline`) against the unpipelined model, in real processes on gloo, no Ray.
+"""Pipeline parallelism (`elastic.parallel.pipeline`) against the unpipelined model, in real processes on gloo, no Ray.
 
 Two processes form the stage group of one replica and train in turn under GPipe (an even split),
 1F1B (split at layer 2) and Interleaved1F1B (two parts per stage): 2 stages, 4 micro-batches,
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic.errors import ElasticError
-from elastic.pipeline import PipelinedModel, even_split_points
+from elastic.parallel.pipeline import PipelinedModel, even_split_points
 from gloo_processes import client, join, refused, spawn
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,7 +18,7 @@ import ray
 import torch
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy
-from elastic.checkpoint import Checkpoint, CheckpointError
+from elastic.checkpoint.checkpoint import Checkpoint, CheckpointError
 from elastic.errors import ElasticError
 from workloads import (GLOBAL_BATCH, STEPS_PER_EPOCH, OutsideKiller, build_3d_mlp, build_tensor_parallel_mlp,
                        fit_held, pipeline_loop, plain_reference, tensor_parallel_loop, workers_started)

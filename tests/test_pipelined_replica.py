@@ -5,12 +5,12 @@ import torch
 from torch import nn
 
 from elastic.config import DataConfig, Strategy
-from elastic.context import TrainContext
 from elastic.errors import ElasticError
-from elastic.mailbox import GenerationMailbox
-from elastic.pipelined_replica import concatenated
-from elastic.replicas import ReplicaShape
-from elastic.tensor_parallel import mlp_plan
+from elastic.parallel.pipelined_replica import concatenated
+from elastic.parallel.replicas import ReplicaShape
+from elastic.parallel.tensor_parallel import mlp_plan
+from elastic.worker.context import TrainContext
+from elastic.worker.mailbox import GenerationMailbox
 
 
 def _context(stages, tensor_parallel=1):
@@ -51,8 +51,8 @@ def test_a_replicas_share_is_joined_from_its_micro_batches_whatever_they_collate
 
 
 def test_a_pipelined_step_is_one_batch_and_a_plain_steps_are_micro_batches():
-    from elastic.data import DataCursor
-    from elastic.step import Step
+    from elastic.data.order import DataCursor
+    from elastic.worker.step import Step
 
     with pytest.raises(ElasticError, match=r"use `batch = step.batch\(\)` and `model.step\(batch\)`"):
         next(Step(_context(2), 0, DataCursor(), 8).micro_batches())
@@ -95,7 +95,7 @@ def test_a_pipelined_run_cuts_its_stages_where_the_split_points_say():
 
 
 def test_a_stage_keeps_the_plan_keys_that_name_its_own_modules_and_a_key_naming_none_is_refused():
-    from elastic.pipelined_replica import stage_plan
+    from elastic.parallel.pipelined_replica import stage_plan
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     blocks = nn.Sequential(nn.Sequential(nn.Linear(4, 8)), nn.Sequential(nn.Linear(4, 8)))
@@ -108,8 +108,8 @@ def test_a_stage_keeps_the_plan_keys_that_name_its_own_modules_and_a_key_naming_
 
 
 def test_a_second_backward_after_the_replicas_averaged_is_refused():
-    from elastic.data import DataCursor
-    from elastic.step import MicroBatch, Step
+    from elastic.data.order import DataCursor
+    from elastic.worker.step import MicroBatch, Step
 
     step = Step(_context(1, 2), 0, DataCursor(), 8)
     step.averaged = True

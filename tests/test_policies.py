@@ -2,8 +2,9 @@
 
 import pytest
 
-from elastic.policies import (NoopDecision, ResizeDecision, WaitDecision, decide_failure, decide_membership, reach_deadline,
-                              workers_to_start)
+from elastic.controller.policies import (
+    NoopDecision, ResizeDecision, WaitDecision, decide_failure, decide_membership, reach_deadline, workers_to_start,
+)
 
 
 def test_a_dead_worker_is_healed_and_not_counted_as_a_failure():
@@ -44,7 +45,7 @@ def test_workers_are_requested_until_live_plus_pending_reach_max():
 
 
 def test_the_stall_deadline_follows_the_median_step_within_floor_and_ceiling():
-    from elastic.policies import hang_deadline
+    from elastic.controller.policies import hang_deadline
 
     assert hang_deadline([0.1] * 3, factor=20, floor_s=1, ceiling_s=60) == 60  # too few steps measured yet
     assert hang_deadline([0.1] * 10, factor=20, floor_s=1, ceiling_s=60) == pytest.approx(2.0)
@@ -53,7 +54,7 @@ def test_the_stall_deadline_follows_the_median_step_within_floor_and_ceiling():
 
 
 def test_the_hung_member_is_the_one_behind_or_silent():
-    from elastic.policies import find_hung
+    from elastic.controller.policies import find_hung
 
     # Peers entered the gradient sync of step 10 that member 1 never reached.
     assert find_hung({0: (10, 11, 0), 1: (10, 10, 0), 2: (10, 11, 0)}) == [1]
@@ -63,7 +64,7 @@ def test_the_hung_member_is_the_one_behind_or_silent():
 
 
 def test_a_straggler_is_a_member_slower_than_the_others_in_every_recent_step():
-    from elastic.policies import find_straggler
+    from elastic.controller.policies import find_straggler
 
     steady = {s: 1.0 for s in range(10)}
     slow = {s: (4.0 if s >= 5 else 1.0) for s in range(10)}
@@ -77,7 +78,7 @@ MBIT = 1e6 / 8  # bytes per second
 
 
 def test_a_node_whose_every_link_is_slow_is_a_network_straggler_and_its_compute_is_quoted():
-    from elastic.policies import find_slow_link
+    from elastic.controller.policies import find_slow_link
 
     # A ring of three nodes: 0 -> 1 -> 2 -> 0. Node 2's link carries 100 Mbit/s both ways, so
     # the connections into and out of it are slow; 0 -> 1, between the others, is not.
@@ -93,7 +94,7 @@ def test_a_node_whose_every_link_is_slow_is_a_network_straggler_and_its_compute_
 
 
 def test_a_slow_link_between_two_nodes_names_neither_and_a_fast_burst_counts_as_fast():
-    from elastic.policies import find_slow_link
+    from elastic.controller.policies import find_slow_link
 
     two = {0: ("198.18.0.2", {"198.18.0.3": 90 * MBIT}), 1: ("198.18.0.3", {"198.18.0.2": 90 * MBIT})}
     assert find_slow_link(two, {}, factor=2) is None
@@ -107,7 +108,7 @@ def test_a_slow_link_between_two_nodes_names_neither_and_a_fast_burst_counts_as_
 
 
 def test_a_node_is_avoided_after_repeated_failures_until_they_age_out():
-    from elastic.policies import nodes_to_avoid
+    from elastic.controller.policies import nodes_to_avoid
 
     failures = {"a": [100.0, 150.0, 190.0], "b": [190.0]}
     alive = {"a", "b"}

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from elastic.precision import Precision
+from elastic.techniques.precision import Precision
 
 Pair = collections.namedtuple("Pair", "loss logits")
 

@@ -1,7 +1,7 @@
 """The controller's tally (`ProgressTracker`): link rates over the last steps, from the workers'
-cumulative link samples (`elastic.links.GroupLinks.traffic`)."""
+cumulative link samples (`elastic.comm.links.GroupLinks.traffic`)."""
 
-from elastic.progress import LINK_MIN_BYTES, ProgressTracker
+from elastic.controller.progress import LINK_MIN_BYTES, ProgressTracker
 
 MB = 1 << 20
 

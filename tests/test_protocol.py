@@ -8,13 +8,12 @@ protocol one observation at a time and reads as the rule it checks.
 import pytest
 
 from elastic.config import FailureConfig, ScalingConfig
-from elastic.mailbox import PREPARE_SLACK_STEPS
-from elastic.protocol import MAX_FAILED_FORMATIONS, START_GRACE_S, Protocol, Status
-from elastic.signals import (
-    Abort, Emit, Exit, FormedReport, GroupBroken, Kill, Offer, PollProgress, Prepare, ProgressPolled, ShardWritten,
-    StartWorkers, SwitchPrepared, Tick, WorkerExited, WorkerProgress, WorkerReady,
+from elastic.controller.protocol import MAX_FAILED_FORMATIONS, START_GRACE_S, Protocol, Status
+from elastic.controller.signals import (
+    PREPARE_SLACK_STEPS, Abort, Emit, Exit, FormedReport, GroupBroken, Kill, Offer, PollProgress, Prepare,
+    ProgressPolled, ShardWritten, StartWorkers, SwitchPrepared, Tick, WorkerExited, WorkerProgress, WorkerReady,
 )
-from elastic.states import Reason
+from elastic.controller.states import Reason
 
 MAX_STEPS = 1000
 

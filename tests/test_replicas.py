@@ -1,4 +1,4 @@
-"""Replicas as the elastic unit (`elastic.replicas`), with pipelined replicas (`elastic.pipeline`),
+"""Replicas as the elastic unit (`elastic.parallel.replicas`), with pipelined replicas (`elastic.parallel.pipeline`),
 in real gloo processes without Ray.
 
 dp=2 x pp=2 on 4 processes: each replica pipelines its share of the global batch, each stage's
@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic.comm.state_sync import sync_state
 from elastic.errors import ElasticError
-from elastic.pipeline import PipelinedModel
-from elastic.replicas import Position, ReplicaShape
-from elastic.state_sync import sync_state
+from elastic.parallel.pipeline import PipelinedModel
+from elastic.parallel.replicas import Position, ReplicaShape
 from gloo_processes import client, join, spawn
 
 pytestmark = pytest.mark.timeout(180)

@@ -13,9 +13,11 @@ import ray
 import torch
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
+from elastic.checkpoint.checkpoint import (
+    Checkpoint, CheckpointError, checkpoint_steps, checkpoint_storage, step_dir, verify,
+)
+from elastic.checkpoint.storage import RunStorage
 from elastic.errors import TrainingFailedError
-from elastic.checkpoint import Checkpoint, CheckpointError, checkpoint_steps, checkpoint_storage, step_dir, verify
-from elastic.storage import RunStorage
 from workloads import GLOBAL_BATCH, STEPS_PER_EPOCH, regression_loop, regression_reference
 
 TOTAL_STEPS = 6 * STEPS_PER_EPOCH

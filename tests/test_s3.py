@@ -6,9 +6,9 @@ import pyarrow.fs as pafs
 import pytest
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, RunConfig, ScalingConfig
-from elastic.checkpoint import Checkpoint
-from elastic.events import read_events
-from elastic.storage import RunStorage, StorageError
+from elastic.checkpoint.checkpoint import Checkpoint
+from elastic.checkpoint.storage import RunStorage, StorageError
+from elastic.journal.events import read_events
 from workloads import GLOBAL_BATCH, regression_loop
 
 pytestmark = pytest.mark.timeout(240)

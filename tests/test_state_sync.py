@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic.state_sync import sync_state
+from elastic.comm.state_sync import sync_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,7 +56,7 @@ def test_the_most_advanced_rank_broadcasts_model_optimizer_and_progress(steps, s
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_state_travels_as_flat_buffers_and_each_tensor_returns_to_its_device():
-    from elastic.flat_state import flatten, unflatten
+    from elastic.comm.flat_state import flatten, unflatten
 
     model = torch.nn.Linear(4, 3).cuda()
     optimizer = torch.optim.Adam(model.parameters())

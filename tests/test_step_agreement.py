@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic.group import GradientAllReduce, _agreement_keys, is_peer_failure
+from elastic.comm.group import GradientAllReduce, _agreement_keys, is_peer_failure
 
 pytestmark = pytest.mark.timeout(60)
 GENERATION = 3

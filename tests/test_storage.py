@@ -13,8 +13,8 @@ import pytest
 from pydantic import ValidationError
 
 from elastic import DataConfig, ElasticTrainer, RunConfig, ScalingConfig
-from elastic.checkpoint import checkpoint_storage
-from elastic.storage import RunStorage, StorageError
+from elastic.checkpoint.checkpoint import checkpoint_storage
+from elastic.checkpoint.storage import RunStorage, StorageError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from elastic.config import DataConfig
-from elastic.data import DataCursor
+from elastic.data.loader import open_loader
+from elastic.data.order import DataCursor
+from elastic.data.stream import StreamLoader
 from elastic.errors import ElasticError
-from elastic.loader import open_loader
-from elastic.stream import StreamLoader
 
 
 class Counting(torch.utils.data.IterableDataset):
@@ -110,7 +110,7 @@ def test_an_iterable_dataset_with_no_sample_in_an_epoch_is_refused():
 
 
 def test_the_names_elastic_registers_are_refused_to_the_train_loop():
-    from elastic.context import TrainContext
+    from elastic.worker.context import TrainContext
 
     ctx = TrainContext(_config(), mailbox=None, faults=[], report_sink=lambda record: None, use_gpu=False)
     for name in ("rng", "data_stream"):

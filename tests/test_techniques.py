@@ -12,9 +12,9 @@ import ray
 import torch
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy
-from elastic.checkpoint import checkpoint_steps, checkpoint_storage, verify
+from elastic.checkpoint.checkpoint import checkpoint_steps, checkpoint_storage, verify
+from elastic.checkpoint.storage import RunStorage
 from elastic.errors import TrainingFailedError
-from elastic.storage import RunStorage
 from workloads import (GLOBAL_BATCH, NUM_SAMPLES, OutsideKiller, fit_held, regression_loop, regression_reference,
                        workers_started)
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism (`elastic.tensor_parallel`) against the plain model, in real processes on gloo, no Ray.
+"""Tensor parallelism (`elastic.parallel.tensor_parallel`) against the plain model, in real processes on gloo, no Ray.
 
 Two processes form one tensor-parallel group and train in turn a Megatron MLP (colwise Linear,
 GELU, rowwise Linear, then a plain Tanh head), a pre-norm causal self-attention block (q, k, v
@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from elastic.demo.model import ModelConfig, TinyLM
 from elastic.errors import ElasticError
-from elastic.tensor_parallel import SelfAttention, TensorParallelModel, attention_plan, mlp_plan
+from elastic.parallel.tensor_parallel import SelfAttention, TensorParallelModel, attention_plan, mlp_plan
 from gloo_processes import client, join, refused, spawn
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,9 +7,9 @@ import zlib
 import pytest
 
 from elastic import cli
-from elastic.events import make_event
-from elastic.run_view import open_run
-from elastic.timeline import (
+from elastic.journal.events import make_event
+from elastic.journal.run_view import open_run
+from elastic.journal.timeline import (
     MARKS,
     PlotUnavailableError,
     collect_marks,

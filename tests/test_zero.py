@@ -1,4 +1,4 @@
-"""ZeRO-1 with live resharding (`elastic.zero`) against the plain optimizer, in real processes on
+"""ZeRO-1 with live resharding (`elastic.techniques.zero`) against the plain optimizer, in real processes on
 gloo, no Ray.
 
 Every process steps a model with `ShardedOptimizer` and, beside it, a copy with the plain
@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic.errors import ElasticError
-from elastic.shard_plan import Layout, ShardLostError, ShardPosition, plan_reshard
-from elastic.zero import ShardedOptimizer
+from elastic.techniques.shard_plan import Layout, ShardLostError, ShardPosition, plan_reshard
+from elastic.techniques.zero import ShardedOptimizer
 from gloo_processes import client, join, spawn
 
 pytestmark = pytest.mark.timeout(120)

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 import elastic
-from elastic.events import read_events
-from elastic.storage import RunStorage
+from elastic.checkpoint.storage import RunStorage
+from elastic.journal.events import read_events
 
 NUM_SAMPLES = 512
 GLOBAL_BATCH = 64
@@ -166,7 +166,7 @@ def pipeline_loop(config: dict) -> dict:
     """`regression_loop`'s task in a pipelined run: each replica pipelines its share through its
     stages, with the same per-sample ledger (counted by each replica's first worker) and AdamW.
     With pipeline stages and tensor parallelism both, the model is `build_3d_mlp`'s."""
-    from elastic.tensor_parallel import mlp_plan
+    from elastic.parallel.tensor_parallel import mlp_plan
 
     ctx = elastic.get_context()
     dataset = regression_data()
@@ -212,7 +212,7 @@ def tensor_parallel_loop(config: dict) -> dict:
     """`pipeline_loop`'s task in a tensor-parallel run: `build_tensor_parallel_mlp`'s Linear pair cut
     Megatron's way across each replica's 2 workers, the head whole on both, the ledger counted by
     tensor-parallel rank 0 of each replica."""
-    from elastic.tensor_parallel import mlp_plan
+    from elastic.parallel.tensor_parallel import mlp_plan
 
     ctx = elastic.get_context()
     dataset = regression_data()
@@ -245,8 +245,8 @@ def plain_reference(max_steps: int, global_batch: int = GLOBAL_BATCH, build=None
     run's data seed), by `optimizer(parameters)` (by default `pipeline_loop`'s AdamW). The same
     math at any world size makes it every fault-free and faulty run's reference, at no Ray cost."""
     from elastic.config import DataConfig
-    from elastic.data import DataCursor
-    from elastic.loader import Loader
+    from elastic.data.loader import Loader
+    from elastic.data.order import DataCursor
 
     dataset = regression_data(dtype=dtype)
     loader = Loader(dataset, DataConfig(global_batch_size=global_batch, micro_batch_size=global_batch,

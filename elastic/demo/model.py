@@ -9,8 +9,8 @@ output layer tied to the token embedding. The same seed always gives the same we
 
 Tensor parallelism cannot cut these blocks' attention: nn.MultiheadAttention keeps q, k and v in
 one fused `in_proj_weight` and reads its weights directly in its forward (see
-`elastic.tensor_parallel`). `ModelConfig(attention="split")` builds the same blocks with
-`elastic.tensor_parallel.SelfAttention` instead (separate q, k, v projections), which
+`elastic.parallel.tensor_parallel`). `ModelConfig(attention="split")` builds the same blocks with
+`elastic.parallel.tensor_parallel.SelfAttention` instead (separate q, k, v projections), which
 `model.tensor_parallel_plan()` cuts by heads; the default model stays as it was.
 
 Pipeline parallelism needs the model as an nn.Sequential with one tensor between layers:
@@ -51,7 +51,7 @@ class ModelConfig(BaseModel):
     attention: Literal["fused", "split"] = Field("fused", description=(
         "'fused': torch's nn.TransformerEncoderLayer, whose nn.MultiheadAttention holds q, k and v in one "
         "in_proj_weight; 'split': the same pre-norm blocks with separate q_proj, k_proj, v_proj Linears "
-        "(elastic.tensor_parallel.SelfAttention), which tensor parallelism can cut by heads."))
+        "(elastic.parallel.tensor_parallel.SelfAttention), which tensor parallelism can cut by heads."))
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -99,9 +99,9 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
     def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
-        """Megatron's cut of every block, for `elastic.tensor_parallel.TensorParallelModel`: attention by heads,
-        the MLP by its hidden features. The embeddings, norms and the tied head stay whole on every rank."""
-        from elastic.tensor_parallel import attention_plan, mlp_plan  # DTensor loads only for models that use it
+        """Megatron's cut of every block, for `elastic.parallel.tensor_parallel.TensorParallelModel`: attention
+        by heads, the MLP by its hidden features. The embeddings, norms and the tied head stay whole on every rank."""
+        from elastic.parallel.tensor_parallel import attention_plan, mlp_plan  # DTensor loads only for models using it
 
         if self.config.attention != "split":
             raise ElasticError("TinyLM's default blocks use nn.MultiheadAttention, whose fused in_proj_weight tensor "
@@ -198,7 +198,7 @@ class SplitAttentionLayer(nn.Module):
     bias, which softmax ignores) and v_proj in place of the fused in_proj_weight and in_proj_bias."""
 
     def __init__(self, config: ModelConfig) -> None:
-        from elastic.tensor_parallel import SelfAttention  # DTensor loads only for models that use it
+        from elastic.parallel.tensor_parallel import SelfAttention  # DTensor loads only for models that use it
 
         super().__init__()
         self.self_attn = SelfAttention(config.d_model, config.n_heads, causal=True, dropout=config.dropout)

@@ -5,7 +5,7 @@
     python -c "from elastic.demo import DemoConfig, run_demo; run_demo(DemoConfig())"
 
 `train_loop` is an ordinary elastic train loop and reads top to bottom like the example in
-`elastic.context`; `pipelined_train_loop` is the same run with the LM cut into pipeline stages
+`elastic.worker.context`; `pipelined_train_loop` is the same run with the LM cut into pipeline stages
 (DemoConfig(pipeline_stages > 1)). `run_demo` prepares the corpus, starts Ray when no cluster is
 given, runs `ElasticTrainer.fit()` and condenses the run's events into a summary dict.
 """
@@ -28,9 +28,9 @@ from elastic.config import (
 )
 from elastic.demo.corpus import DEFAULT_MAX_BYTES, DEFAULT_SEQ_LEN, prepare_corpus
 from elastic.demo.model import ModelConfig, TinyLM, next_byte_loss, next_byte_pairs
-from elastic.events import events_of
 from elastic.faults import Fault, check_faults
-from elastic.pipeline import VIRTUAL_STAGES
+from elastic.journal.events import events_of
+from elastic.parallel.pipeline import VIRTUAL_STAGES
 
 # The demo's kill fires a quarter into the run: late enough that training is visibly under
 # way, early enough that the replacement worker has time to start and the run grows back.

@@ -1,0 +1,524 @@
+"""Durable checkpoints: `checkpoints/step_<N>/` with shard files and a manifest written last.
+
+At a step boundary every rank copies to CPU the part of the state it writes (`take_snapshot`,
+the only time training is blocked: each tensor's part is copied once, into a buffer allocated
+for the share) and a background thread writes its shard: rank r of W writes the r-th slice of
+each flat dtype buffer, so the copy and the write are spread over all ranks. Rank 0's shard
+also holds the structure, and rank 0 writes the user's own files and the directory it last
+reported with `elastic.report(checkpoint=...)` (under `reported/`, see `elastic.checkpoint.reported`).
+torch.save streams a shard straight into its file, hashed on the way; on a local disk every
+file is fsynced before it is reported, and the manifest before older checkpoints are deleted. When the controller has heard
+of every shard, it writes `manifest.json`, listing each file's size and sha256, the step,
+world size, data cursor and format version. A folder without a valid manifest whose files
+all match is not a checkpoint, for any reader. `verify` hashes every file once; the
+`Checkpoint` it returns remembers that, so loading it checks only sizes (a checkpoint made
+any other way is hashed as it loads). Loading uses `torch.load(weights_only=True)`:
+storage is shared, and a checkpoint must never be able to run code.
+
+A pipelined run's stages hold different state, so each stage is a part of its own,
+`stage-<i>/`, whose shards the replicas write as ranks write a plain run's: replica r of R
+writes the r-th slice of its stage's state. A part resumes at any number of replicas, and
+`model_state_dict()` joins the stages' layers into the whole model's state dict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import pyarrow.fs as pafs
+import torch
+
+from elastic.checkpoint.reported import write_directory
+from elastic.checkpoint.storage import RunStorage
+from elastic.comm.flat_state import describe, gather, numel, unflatten
+from elastic.data.order import share_bounds
+from elastic.errors import ElasticError
+
+# 2: each file lies under the folder of the generation that wrote it (its manifest entry's
+# "path"), so a writer cut off from a generation that moved on never overwrites a listed file.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1 kept every file at its name
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+USER_FILES = "user"
+REPORTED = "reported"  # the directory rank 0 reported with elastic.report(checkpoint=...)
+OPTIMIZER_SHARDS = "optimizer-shards"
+PART_KINDS = ("stage", "tp")  # the parts of a pipelined run's stages, of a tensor-parallel run's ranks
+WHOLE = -1  # in a tensor-parallel part's model, the cut dimension of a tensor every rank holds whole
+# A large write is hashed and written in pieces of this size: small enough that the hash and the
+# write read a piece while it is still in the CPU cache.
+HASH_PIECE_BYTES = 8 << 20
+
+
+class CheckpointError(ElasticError):
+    """A checkpoint is incomplete, damaged, or does not fit the run; the message says which."""
+
+
+def step_dir(step: int) -> str:
+    return f"{CHECKPOINTS}/step_{step}"
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    return f"shard-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def part_name(pipeline_stages: int, tensor_parallel: int, slot: int) -> str:
+    """The part a replica's worker at `slot` writes: its stage's, its tensor-parallel rank's, or "" (a plain run)."""
+    stage, rank = divmod(slot, tensor_parallel)
+    if pipeline_stages > 1 and tensor_parallel > 1:
+        return f"stage-{stage}-tp-{rank}"
+    if pipeline_stages > 1:
+        return f"stage-{stage}"
+    return f"tp-{rank}" if tensor_parallel > 1 else ""
+
+
+def part_names(pipeline_stages: int, tensor_parallel: int) -> list[str]:
+    """Every part a run of this replica shape writes, in order."""
+    size = pipeline_stages * tensor_parallel
+    return [part_name(pipeline_stages, tensor_parallel, slot) for slot in range(size)] if size > 1 else []
+
+
+def join_slices(parts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The whole model's state dict from the tensor-parallel ranks' parts' models, in rank order: each holds
+    its "tensors" and the dimension each is cut along ("dims", WHOLE for one every rank holds whole)."""
+    dims = parts[0]["dims"]
+    return {name: parts[0]["tensors"][name] if dim == WHOLE else torch.cat([p["tensors"][name] for p in parts], dim)
+            for name, dim in dims.items()}
+
+
+@dataclass(frozen=True)
+class Part:
+    """The part of a checkpoint a rank writes a slice of: a pipelined run's stage, sliced over its replicas."""
+
+    name: str
+    index: int  # the writer's replica
+    count: int  # the replicas
+
+
+def optimizer_shard_name(rank: int, world_size: int) -> str:
+    """The file of rank's part of a sharded (ZeRO) optimizer state."""
+    return f"{OPTIMIZER_SHARDS}/{rank:05d}-of-{world_size:05d}.pt"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The CPU copy, at a step boundary, of the part of the state that one rank writes."""
+
+    step: int
+    progress: dict[str, Any]
+    structure: Any
+    buffers: dict[str, torch.Tensor]
+    """Each dtype's share for `rank` of `world_size`: all of the flat buffer when world_size is 1."""
+    rank: int = 0
+    world_size: int = 1
+
+
+def take_snapshot(states: dict[str, Any], progress: dict[str, Any], rank: int = 0, world_size: int = 1) -> Snapshot:
+    """Copy to CPU the share of the state that `rank` of `world_size` writes (by default, all of it).
+
+    Training waits for this copy, so it is a single one: each tensor's part goes straight into
+    a buffer allocated for the share. Every rank holds the same state, so a rank copies only
+    the slice it writes.
+    """
+    structure, tensors = describe({"progress": progress, "state": states})
+    buffers = {}
+    for dtype, parts in tensors.items():
+        start, stop = share_bounds(numel(parts), world_size, rank)
+        buffers[dtype] = gather(parts, start, stop, torch.device("cpu"))
+    return Snapshot(progress["step"], progress, structure, buffers, rank, world_size)
+
+
+def shard_chunks(snapshot: Snapshot, rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Rank's slice of every dtype buffer, each a tensor of its own (torch.save writes a view's whole storage)."""
+    if (snapshot.rank, snapshot.world_size) == (rank, world_size):
+        return dict(snapshot.buffers)
+    if snapshot.world_size != 1:
+        raise ValueError(f"the snapshot holds the share of rank {snapshot.rank} of {snapshot.world_size}, "
+                         f"not of rank {rank} of {world_size}; take it with take_snapshot(..., {rank}, {world_size})")
+    chunks = {}
+    for dtype, buffer in snapshot.buffers.items():
+        start, stop = share_bounds(buffer.numel(), world_size, rank)
+        chunks[dtype] = buffer[start:stop].clone()
+    return chunks
+
+
+def write_manifest(storage: RunStorage, snapshot_progress: dict[str, Any], world_size: int,
+                   files: list[dict[str, Any]], metadata: dict[str, Any]) -> dict[str, Any]:
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": snapshot_progress["step"],
+        "world_size": world_size,
+        "cursor": snapshot_progress["cursor"],
+        "files": sorted(files, key=lambda f: f["name"]),
+        "metadata": metadata,
+        "created": time.time(),
+    }
+    folder = step_dir(manifest["step"])
+    storage.write_text_atomic(f"{folder}/{MANIFEST}", json.dumps(manifest, indent=1))
+    # Durable before retention deletes older checkpoints. A manifest torn by a crash before
+    # these fsyncs does not parse or match its files, so it is never taken for a checkpoint.
+    _fsync(storage.fs, storage.path(f"{folder}/{MANIFEST}"))
+    _fsync(storage.fs, storage.path(folder))
+    return manifest
+
+
+class Checkpoint:
+    """A complete checkpoint. Load it anywhere, with or without Ray:
+
+        state = Checkpoint.from_path("/tmp/runs/lm/checkpoints/step_100").load_state()
+        model.load_state_dict(state["model"])
+    """
+
+    def __init__(self, storage: RunStorage, manifest: dict[str, Any], verified: bool = False) -> None:
+        self.storage = storage
+        self.manifest = manifest
+        # True when `verify` hashed every file: loading then checks sizes, not sha256 again.
+        self.verified = verified
+
+    @classmethod
+    def from_path(cls, path: str, filesystem=None) -> "Checkpoint":
+        """Open and verify the checkpoint folder at `path` (local path or URI)."""
+        parent, _, name = path.rstrip("/").rpartition("/")
+        return verify(RunStorage(parent or ".", name, filesystem))
+
+    @property
+    def step(self) -> int:
+        return self.manifest["step"]
+
+    @property
+    def world_size(self) -> int:
+        return self.manifest["world_size"]
+
+    @property
+    def cursor(self) -> dict[str, int]:
+        return self.manifest["cursor"]
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.manifest["metadata"]
+
+    @property
+    def path(self) -> str:
+        return self.storage.uri
+
+    def read_file(self, name: str) -> bytes:
+        """A file the train loop stored with `ctx.add_checkpoint_file(name, data)`."""
+        return self._read(self._entry(f"{USER_FILES}/{name}"))
+
+    def reported_files(self) -> list[str]:
+        """The files of the directory rank 0 reported with `elastic.report(checkpoint=...)`, by
+        relative path; empty when it reported none."""
+        prefix = f"{REPORTED}/"
+        return sorted(e["name"][len(prefix):] for e in self.manifest["files"] if e["name"].startswith(prefix))
+
+    def read_reported(self) -> dict[str, bytes]:
+        """The reported directory's files, by relative path."""
+        return {name: self._read(self._entry(f"{REPORTED}/{name}")) for name in self.reported_files()}
+
+    def to_directory(self, path: str | None = None) -> str:
+        """Write the reported directory's files below `path` (by default a new temporary
+        directory) and return it, as Ray Train's `Checkpoint.to_directory` does."""
+        return write_directory(self.read_reported(), path or tempfile.mkdtemp(prefix="elastic-checkpoint-"))
+
+    @contextlib.contextmanager
+    def as_directory(self) -> Iterator[str]:
+        """The reported directory's files in a local temporary directory, removed afterwards, as
+        Ray Train's `Checkpoint.as_directory` gives them."""
+        with tempfile.TemporaryDirectory(prefix="elastic-checkpoint-") as directory:
+            yield self.to_directory(directory)
+
+    def load_optimizer_shards(self, wanted: Callable[[int, int], bool] | None = None) -> list[dict[str, Any]]:
+        """The parts of a sharded optimizer state, as `ShardedOptimizer.load_sharded` takes them:
+        every rank's, or those of the (rank, world_size) that `wanted` accepts (at least one)."""
+        names = sorted(e["name"] for e in self.manifest["files"] if e["name"].startswith(f"{OPTIMIZER_SHARDS}/"))
+        if not names:
+            raise CheckpointError(f"checkpoint {self.path} holds no sharded optimizer state: it was written "
+                                  "without Strategy(zero=1, 2 or 3); resume it with the same strategy")
+        if wanted is not None:
+            writers = [tuple(int(n) for n in name.split("/")[-1].removesuffix(".pt").split("-of-")) for name in names]
+            names = [name for name, (rank, size) in zip(names, writers) if wanted(rank, size)] or names[:1]
+        return [torch.load(io.BytesIO(self._read(self._entry(name))), weights_only=True) for name in names]
+
+    @property
+    def parts(self) -> list[str]:
+        """A run of replicas' parts: "stage-<i>" of a pipelined run, "tp-<j>" of a tensor-parallel one; [] for a
+        plain run."""
+        return sorted({e["name"].split("/")[0] for e in self.manifest["files"]
+                       if e["name"].split("-")[0] in PART_KINDS and "/shard-" in e["name"]},
+                      key=lambda part: [int(n) for n in part.split("-")[1::2]])
+
+    def load_state(self, part: str = "") -> dict[str, Any]:
+        """{"model": ..., "optimizer": ..., <other registered state>..., "progress": {...}}: of the
+        whole run, or of one `part` (a pipelined run's stage)."""
+        if part not in (self.parts or [""]):
+            written = f"with the parts {self.parts}" if self.parts else "without parts (a run without replicas)"
+            raise CheckpointError(f"checkpoint {self.path} has no part {part!r}: it was written {written}; resume it "
+                                  "with the replica shape (pipeline_stages, tensor_parallel) of the run that wrote it, "
+                                  "or load one of its parts with load_state(part)")
+        if part:
+            prefix = f"{part}/shard-"
+            names = sorted(e["name"] for e in self.manifest["files"] if e["name"].startswith(prefix))
+        else:
+            names = [shard_name(rank, self.world_size) for rank in range(self.world_size)]
+        shards = [torch.load(io.BytesIO(self._read(self._entry(name))), weights_only=True) for name in names]
+        buffers = {dtype: torch.cat([s["chunks"][dtype] for s in shards]) for dtype in shards[0]["chunks"]}
+        payload = unflatten(shards[0]["structure"], buffers)
+        return {**payload["state"], "progress": payload["progress"]}
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The whole model's state dict: a pipelined run's stages' layers joined under their names, a
+        tensor-parallel run's slices joined along the dimensions they were cut."""
+        stages: dict[str, list[dict[str, Any]]] = {}  # each stage's part, or its tensor-parallel ranks' parts
+        for part in self.parts or [""]:
+            stages.setdefault(part.partition("-tp-")[0] if part.startswith("stage") else "", []).append(
+                self.load_state(part)["model"])
+        merged: dict[str, Any] = {}
+        for models in stages.values():
+            if "tensors" in models[0] and "dims" in models[0]:
+                merged.update(join_slices(models))
+            else:
+                merged.update(models[0])
+        return merged
+
+    def _read(self, entry: dict[str, Any]) -> bytes:
+        data = self.storage.read_bytes(file_path(entry))
+        _check_size(entry, len(data))
+        if not self.verified:
+            _check_sha256(entry, data)
+        return data
+
+    def _entry(self, name: str) -> dict[str, Any]:
+        for entry in self.manifest["files"]:
+            if entry["name"] == name:
+                return entry
+        raise CheckpointError(f"checkpoint {self.path} has no file {name!r}")
+
+    def __repr__(self) -> str:
+        return f"Checkpoint(step={self.step}, path={self.path!r})"
+
+
+def _check_size(entry: dict[str, Any], size: int) -> None:
+    if size != entry["size"]:
+        raise CheckpointError(f"file {entry['name']} is truncated: {size} bytes, manifest says {entry['size']}")
+
+
+def _check_sha256(entry: dict[str, Any], data: bytes) -> None:
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"file {entry['name']} has a wrong checksum (sha256 differs from the manifest)")
+
+
+def verify(storage: RunStorage) -> Checkpoint:
+    """The checkpoint in `storage`'s folder, after checking its manifest and every file's sha256."""
+    try:
+        manifest = json.loads(storage.read_text(MANIFEST))
+    except FileNotFoundError:
+        raise CheckpointError(f"{storage.uri} has no {MANIFEST}: the checkpoint was never completed") from None
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"{storage.uri}/{MANIFEST} cannot be read: {exc}") from None
+    if manifest.get("format_version") not in READABLE_VERSIONS:
+        raise CheckpointError(
+            f"{storage.uri} has format_version {manifest.get('format_version')!r}, this elastic reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}; load it with the elastic version that wrote it"
+        )
+    for entry in manifest["files"]:
+        size = storage.size(file_path(entry))
+        if size is None:
+            raise CheckpointError(f"file {file_path(entry)} listed in the manifest is missing")
+        _check_size(entry, size)
+        _check_sha256(entry, storage.read_bytes(file_path(entry)))
+    return Checkpoint(storage, manifest, verified=True)
+
+
+def checkpoint_steps(run: RunStorage) -> list[int]:
+    """Steps of every checkpoint folder, complete or not, oldest first."""
+    steps = []
+    for name in run.list_dirs(CHECKPOINTS):
+        prefix, _, number = name.partition("_")
+        if prefix == "step" and number.isdigit():
+            steps.append(int(number))
+    return sorted(steps)
+
+
+def checkpoint_storage(run: RunStorage, step: int) -> RunStorage:
+    return RunStorage(run.root, step_dir(step), run.fs)
+
+
+def latest_complete(run: RunStorage, on_skip: Callable[[int, str], None]) -> Checkpoint | None:
+    """The newest checkpoint that verifies; each newer one that does not is reported to on_skip."""
+    for step in reversed(checkpoint_steps(run)):
+        try:
+            return verify(checkpoint_storage(run, step))
+        except CheckpointError as exc:
+            on_skip(step, str(exc))
+    return None
+
+
+def steps_to_delete(steps: list[int], complete: list[int], keep_last: int) -> list[int]:
+    """Old checkpoints to delete once the newest complete one exists.
+
+    The `keep_last` newest complete ones stay; incomplete folders older than the newest
+    complete one can never complete and go too. Nothing newer than it is touched: it may be
+    a checkpoint still being written.
+    """
+    if not complete:
+        return []
+    kept = set(sorted(complete)[-keep_last:])
+    newest = max(complete)
+    return [s for s in steps if s < newest and s not in kept]
+
+
+class CheckpointWriter:
+    """Writes this rank's shards in a background thread, one checkpoint at a time."""
+
+    def __init__(self, run: RunStorage, on_written: Callable[[dict[str, Any]], None]) -> None:
+        self.run = run
+        self.on_written = on_written
+        self._thread: threading.Thread | None = None
+
+    def submit(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
+               user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool = False,
+               optimizer_shard: dict[str, Any] | None = None, reported_files: dict[str, bytes] | None = None,
+               generation: int = 0, part: Part | None = None) -> None:
+        """Write this rank's shard (and `optimizer_shard`, its part of a ZeRO optimizer's state, a
+        copy; on rank 0 the user's files and the `reported_files` of elastic.report) in the background."""
+        self.wait()
+        self._thread = threading.Thread(
+            target=self._write,
+            args=(snapshot, rank, world_size, stall_s, dict(user_files), dict(metadata), crash_midway,
+                  optimizer_shard, dict(reported_files or {}), generation, part),
+            daemon=True, name="elastic-checkpoint",
+        )
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _write(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
+               user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool,
+               optimizer_shard: dict[str, Any] | None, reported_files: dict[str, bytes], generation: int,
+               part: Part | None) -> None:
+        started = time.perf_counter()
+        folder = checkpoint_storage(self.run, snapshot.step)
+        report: dict[str, Any] = {"step": snapshot.step, "rank": rank, "world_size": world_size,
+                                  "generation": generation, "progress": snapshot.progress, "stall_s": stall_s,
+                                  "files": []}
+        try:
+            self.run.fs.create_dir(folder.root, recursive=True)
+            index, count = (part.index, part.count) if part else (rank, world_size)
+            chunks = shard_chunks(snapshot, index, count)
+            payload = {"format_version": FORMAT_VERSION, "rank": index, "world_size": count, "chunks": chunks,
+                       "structure": snapshot.structure if index == 0 else None}
+            crash_after = sum(c.numel() * c.element_size() for c in chunks.values()) // 2 if crash_midway else None
+            name = f"{part.name}/{shard_name(index, count)}" if part else shard_name(rank, world_size)
+
+            def write(name: str, fill: Callable[[Any], Any], crash_after: int | None = None) -> None:
+                report["files"].append(write_file(folder, name, fill, crash_after, generation_path(generation, name)))
+
+            write(name, lambda out: torch.save(payload, out), crash_after)
+            if optimizer_shard is not None:
+                write(optimizer_shard_name(rank, world_size), lambda out: torch.save(optimizer_shard, out))
+            if rank == 0:
+                for name, data in user_files.items():
+                    write(f"{USER_FILES}/{name}", lambda out, data=data: out.write(data))
+                for name, data in reported_files.items():
+                    write(f"{REPORTED}/{name}", lambda out, data=data: out.write(data))
+                report["metadata"] = metadata
+        except Exception as exc:  # any storage error: the checkpoint stays incomplete, training goes on
+            report["error"] = f"{type(exc).__name__}: {exc}"
+        report["upload_s"] = time.perf_counter() - started
+        self.on_written(report)
+
+
+def file_path(entry: dict[str, Any]) -> str:
+    """Where a manifest entry's bytes lie in the checkpoint's folder."""
+    return entry.get("path", entry["name"])
+
+
+def generation_path(generation: int, name: str) -> str:
+    """Where generation `generation` writes the file `name` of a checkpoint."""
+    return f"gen-{generation}/{name}"
+
+
+def write_file(folder: RunStorage, name: str, fill: Callable[[Any], Any],
+               crash_after: int | None = None, path: str | None = None) -> dict[str, Any]:
+    """Write file `name` (at `path`, by default the name) with `fill(stream)` and make it durable;
+    its manifest entry (name, path, size, sha256).
+
+    The bytes go from `fill` to storage as they come, hashed on the way: a shard is never
+    held serialized in memory. `crash_after` is the injected fault: the process dies like a
+    crash once that many bytes have reached storage.
+    """
+    relative = path or name
+    if "/" in relative:
+        folder.fs.create_dir(folder.path(relative.rsplit("/", 1)[0]), recursive=True)
+    path = folder.path(relative)
+    local = isinstance(folder.fs, pafs.LocalFileSystem)
+    with ThreadPoolExecutor(1, thread_name_prefix="elastic-checkpoint-hash") as hasher:
+        # A local file is written with Python's own I/O: it lets go of the GIL while it writes, so
+        # the hash runs meanwhile (measured: pyarrow's local stream does not), and it can fsync.
+        with (open(path, "wb") if local else folder.fs.open_output_stream(path)) as out:
+            stream = _HashedStream(out, hasher, crash_after)
+            fill(stream)
+            if local:
+                out.flush()
+                os.fsync(out.fileno())
+    return {"name": name, "path": relative, "size": stream.size, "sha256": stream.sha256.hexdigest()}
+
+
+class _HashedStream:
+    """The file-like object a file is written to: counts and hashes the bytes on their way to `out`.
+
+    A large write goes in pieces, each hashed on the helper thread while this one writes it,
+    so on a machine with a free core the hash costs little more than the write.
+    """
+
+    def __init__(self, out: Any, hasher: ThreadPoolExecutor, crash_after: int | None) -> None:
+        self.out = out
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+        self._hasher = hasher
+        self._crash_after = crash_after
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if self._crash_after is not None and self.size + len(view) >= self._crash_after:
+            self.out.write(view[: self._crash_after - self.size])
+            self.out.flush()
+            os._exit(1)
+        if len(view) <= HASH_PIECE_BYTES:
+            self.sha256.update(view)
+            self.out.write(view)
+        else:
+            for begin in range(0, len(view), HASH_PIECE_BYTES):
+                piece = view[begin : begin + HASH_PIECE_BYTES]
+                hashed = self._hasher.submit(self.sha256.update, piece)
+                self.out.write(piece)
+                hashed.result()  # pieces are hashed in order, and `data` may be freed once write returns
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def _fsync(fs: pafs.FileSystem, path: str) -> None:
+    """Flush a local file, or a local folder's entries, to the disk; an object store's upload
+    is durable once it returns."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)

@@ -1,0 +1,55 @@
+"""Completing checkpoints: each rank reports the shard it wrote; the last report of a step
+writes the manifest (which makes the checkpoint exist) and applies retention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from elastic.checkpoint.checkpoint import (
+    MANIFEST,
+    Checkpoint,
+    checkpoint_steps,
+    checkpoint_storage,
+    step_dir,
+    steps_to_delete,
+    write_manifest,
+)
+from elastic.checkpoint.storage import RunStorage
+
+
+class ShardCollector:
+    """The shards reported for each checkpoint, keyed by the generation that took it: after a
+    restart replays a step, a snapshot of that step by another generation is another
+    checkpoint, never completed by the shards the old one left behind."""
+
+    def __init__(self, storage: RunStorage, keep_last: int) -> None:
+        self.storage = storage
+        self.keep_last = keep_last
+        self._shards: dict[tuple[int, int, int], dict[int, dict[str, Any]]] = {}
+
+    def add(self, report: dict[str, Any]) -> tuple[Checkpoint, dict[str, Any]] | None:
+        """Record one rank's written shard; with the last one, the completed checkpoint and
+        the fields of its `checkpoint_saved` event."""
+        step, world_size = report["step"], report["world_size"]
+        key = (step, world_size, report.get("generation", 0))
+        by_rank = self._shards.setdefault(key, {})
+        by_rank[report["rank"]] = report
+        if len(by_rank) < world_size:
+            return None
+        del self._shards[key]
+        shards = [by_rank[rank] for rank in range(world_size)]
+        files = [f for r in shards for f in r["files"]]
+        metadata = next(r["metadata"] for r in shards if r["rank"] == 0)
+        manifest = write_manifest(self.storage, shards[0]["progress"], world_size, files, metadata)
+        checkpoint = Checkpoint(checkpoint_storage(self.storage, step), manifest)
+        self._retain()
+        return checkpoint, {"step": step, "bytes": sum(f["size"] for f in files),
+                            "stall_s": max(r["stall_s"] for r in shards),
+                            "upload_s": max(r["upload_s"] for r in shards), "path": checkpoint.path}
+
+    def _retain(self) -> None:
+        steps = checkpoint_steps(self.storage)
+        complete = [s for s in steps if self.storage.size(f"{step_dir(s)}/{MANIFEST}") is not None]
+        for step in steps_to_delete(steps, complete, self.keep_last):
+            self.storage.delete_dir(step_dir(step))

@@ -1,0 +1,117 @@
+"""Healing state sync: the most advanced rank broadcasts its state to every other rank.
+
+After a generation forms, the ranks all-gather how many steps each has committed. The rank
+furthest ahead (the lowest such rank on a tie) is the source. It sends the structure of its
+state (without tensor data) as one small object, then the tensor data as one flat buffer per
+dtype, which every other rank loads in place. A newcomer (step 0) therefore receives the
+model, optimizer and data cursor of the live ranks; a survivor that missed the last step
+catches up; nobody reads storage. When every rank already holds the live state of the
+same step (a heal in which no survivor was a step ahead), nothing but the steps is sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.comm.flat_state import buffer_dtype, flatten, unflatten
+from elastic.errors import ElasticError
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    source_rank: int
+    step: int
+    steps_before: list[int]
+
+
+def sync_state(objects: dict[str, Any], progress: dict[str, Any], device: torch.device,
+               holds_state: bool = False, group: dist.ProcessGroup | None = None) -> tuple[SyncResult, dict[str, Any]]:
+    """Make every rank hold the state of the most advanced one.
+
+    `objects` maps names to things with `state_dict`/`load_state_dict`, or to tensors.
+    `progress` holds plain values and must contain "step". `holds_state` says this rank
+    holds the run's live state of that step (it trained in an earlier generation). Returns
+    the sync result and the progress every rank now shares. Over `group` (default: WORLD),
+    whose group ranks `source_rank` counts; a replica's stage syncs over its data-parallel group.
+    """
+    world_size = dist.get_world_size(group)
+    mine = torch.tensor([progress["step"], int(holds_state)], dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=group)
+    steps = [int(t[0].item()) for t in gathered]
+    source = steps.index(max(steps))
+    result = SyncResult(source_rank=source, step=steps[source], steps_before=steps)
+    if world_size == 1 or (all(int(t[1].item()) for t in gathered) and min(steps) == max(steps)):
+        # Every rank holds the live state of the same step: the same state, since every
+        # step gave each of them the same all-reduced gradients. There is nothing to send.
+        return result, progress
+
+    is_source = dist.get_rank(group) == source
+    source_global = dist.get_global_rank(group, source) if group is not None else source
+    payload = {"progress": progress, "state": {k: state_of(v) for k, v in objects.items()}} if is_source else None
+    structure, buffers = flatten(payload, device) if is_source else (None, {})
+    box = [(structure, {dtype: b.numel() for dtype, b in buffers.items()})]
+    dist.broadcast_object_list(box, src=source_global, group=group, device=device)
+    structure, sizes = box[0]
+    for dtype, size in sizes.items():
+        buffer = buffers[dtype] if is_source else torch.empty(size, dtype=buffer_dtype(dtype), device=device)
+        dist.broadcast(buffer, src=source_global, group=group)
+        buffers[dtype] = buffer
+    if is_source:
+        return result, progress
+    received = unflatten(structure, buffers)
+    for name, obj in objects.items():
+        load_into(obj, received["state"][name])
+    return result, received["progress"]
+
+
+def average_over_holders(current: Any, mine: Any | None, device: torch.device) -> Any:
+    """A per-rank state averaged over the ranks that hold one, for every rank of the group.
+
+    `current` is this rank's state as synced; `mine` is what this rank held before the sync,
+    or None if it held none (a newcomer). Floating tensors become the mean over the holders;
+    anything else stays as synced. A collective: every rank of the group calls it, and the
+    ranks first agree that their states have one shape, since gloo kills a process whose
+    collective differs in size from its peers'.
+    """
+    structure, buffers = flatten(current, device)
+    shape = {dtype: buffer.numel() for dtype, buffer in buffers.items()}
+    own = flatten(mine, device)[1] if mine is not None else None
+    if own is not None and {k: v.numel() for k, v in own.items()} != shape:
+        own = None  # a state of another shape (before its first step): not comparable
+    shapes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shapes, shape)
+    if any(other != shape for other in shapes):
+        raise ElasticError(f"the ranks' per-rank states differ in shape ({shapes}, by rank), so they cannot be "
+                           "averaged; this is a bug in elastic: please report it with the run's events")
+    if not buffers:
+        return current
+    holders = torch.tensor([float(own is not None)], dtype=torch.float64, device=device)
+    dist.all_reduce(holders)
+    if holders.item() == 0:
+        return current
+    for dtype, buffer in buffers.items():
+        if not buffer.is_floating_point():
+            continue
+        contribution = own[dtype] if own is not None else torch.zeros_like(buffer)
+        dist.all_reduce(contribution)
+        buffer.copy_(contribution.div_(holders.item()))
+    return unflatten(structure, buffers)
+
+
+def state_of(obj: Any) -> Any:
+    """The state of a registered object: a tensor itself, or its state_dict()."""
+    return obj.detach() if isinstance(obj, torch.Tensor) else obj.state_dict()
+
+
+def load_into(obj: Any, state: Any) -> None:
+    """Put `state` into a registered object, in place."""
+    if isinstance(obj, torch.Tensor):
+        with torch.no_grad():
+            obj.copy_(state)
+    else:
+        obj.load_state_dict(state)

@@ -1,0 +1,9 @@
+"""The controller's decisions, pure: its states (`states`), the typed observations and actions
+it exchanges with the controller actor (`signals`), the rules it asks (`policies`), the one
+state machine that joins them (`protocol`), and its tally of a run's progress (`progress`).
+
+Nothing here touches Ray or torch.distributed: `actors/controller.py` turns what Ray tells it
+into observations and carries the actions out, and the tests drive the protocol with a fake
+worker group. May import only the vocabulary below it: `elastic.errors`, `elastic.config`,
+`elastic.faults`.
+"""

@@ -1,0 +1,559 @@
+"""The elastic protocol: the controller's decisions as one explicit state machine, without Ray.
+
+`Protocol.step(observation, now)` performs one transition and returns the actions the
+controller actor carries out (`elastic.controller.signals`). Nothing here touches Ray, so every
+transition, abort included, is tested with a fake worker group (`tests/test_protocol.py`).
+
+Invariants (docs/architecture.md explains them):
+- Generation numbers only grow; a number offered once is never offered again.
+- A generation commits when every one of its members reported it formed. Membership, and
+  holding live state, count only from committed generations.
+- A member that dies, or a group that breaks, before its generation commits aborts it at
+  once: the barrier key is set to "abort" and the next generation is offered without the dead.
+- A formation in which no member holds live state restores the latest checkpoint (a
+  restart, logged as one); a newcomer never forms a generation alone with fresh weights.
+- A grow never stops the running members before their agreed switch step; a death during it
+  turns it into a heal.
+- Every loop is bounded: application errors and lost runs by `max_failures`, formations that
+  fail by `MAX_FAILED_FORMATIONS`, heals with no step committed in between by
+  `max_heals_without_step`; a stall by the hang deadline, which follows the step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+
+from elastic.config import FailureConfig, ScalingConfig
+from elastic.controller import policies
+from elastic.controller.signals import (
+    PREPARE_SLACK_STEPS, Abort, Action, Emit, Exit, FormedReport, GroupBroken, Kill, Observation, Offer, PollProgress,
+    Prepare, ProgressPolled, ShardWritten, StartWorkers, SwitchPrepared, Tick, WorkerExited, WorkerReady,
+)
+from elastic.controller.states import (
+    TERMINAL, ControllerState, Failed, Finished, Finishing, Formation, Forming, Preparing, Reason, Running, Waiting,
+)
+
+MAX_FAILED_FORMATIONS = 5
+# The first generation waits this long after the first worker is ready for the others starting.
+START_GRACE_S = 2.0
+
+
+class Status(enum.Enum):
+    STARTING = "starting"  # requested from Ray, not ready yet
+    IDLE = "idle"  # ready: a newcomer or a warm spare
+    MEMBER = "member"  # in the newest committed generation
+    GONE = "gone"
+
+
+@dataclass
+class WorkerRecord:
+    worker_id: int
+    status: Status = Status.STARTING
+    node: str = ""
+    pid: int = 0
+    holds_state: bool = False  # was a member of a committed generation: holds live run state
+    evicted_for: str = ""  # the controller gave up on it (unreachable, hang, straggler): its death is expected
+
+
+@dataclass
+class Protocol:
+    scaling: ScalingConfig
+    failure: FailureConfig
+    max_steps: int
+    switch_every: int = 1  # planned switches land on multiples of this step (local SGD's interval)
+    generation: int = -1  # the newest generation offered (restored from the journal on a restart)
+    failures: int = 0
+    state: ControllerState = field(default_factory=lambda: Waiting(0.0, float("inf"), "starting"))
+    workers: dict[int, WorkerRecord] = field(default_factory=dict)
+    running: int = -1  # the newest committed generation
+    members: tuple[int, ...] = ()  # its live members, in rank order
+    running_size: int = 0  # its size when it committed
+    broken: bool = False  # it lost a member and must heal
+    committed_step: int = 0  # the newest committed step reported
+    failure_at: float | None = None  # first sign of the failure being healed
+    progress_at: float = 0.0  # the last sign of progress other than a committed step
+    node_failures: dict[str, list[float]] = field(default_factory=dict)
+    outcomes: dict[int, WorkerExited] = field(default_factory=dict)
+    failed_formations: int = 0
+    heals_without_step: int = 0
+    committed_at_step: int = -1
+    first_ready_at: float | None = None
+    polling: bool = False
+    judging_hang: bool = False  # the poll under way is past the hang deadline, not only a ping
+    pinged_at: float = 0.0  # when the members were last polled (a ping short of the hang deadline, or a hang check)
+    stalled_since: float = 0.0  # the last progress before the stall the latest poll is about
+    detect_s: float = 0.0  # how long the failure being healed went unseen (an unreachable member's stall)
+    deadline_s: float = 0.0  # the hang deadline it was past
+
+    # --- entry points ---------------------------------------------------------------------
+    def start(self, now: float) -> list[Action]:
+        self.progress_at = now
+        deadline = now + self.failure.capacity_timeout_s
+        reason = "waiting for min_workers to be ready"
+        return [*self._enter(Waiting(now, deadline, reason), reason), *self._top_up()]
+
+    def step(self, observation: Observation, now: float) -> list[Action]:
+        if isinstance(self.state, TERMINAL):
+            return []
+        handler = {
+            WorkerReady: self._on_ready, WorkerExited: self._on_exited, GroupBroken: self._on_broken,
+            SwitchPrepared: self._on_prepared, FormedReport: self._on_formed, Tick: self._on_tick,
+            ProgressPolled: self._on_polled, ShardWritten: self._on_shard_written,
+        }[type(observation)]
+        return handler(observation, now)
+
+    @property
+    def stalled_s(self) -> float:
+        """How long the run had gone without progress when it was last polled."""
+        return self.pinged_at - self.stalled_since
+
+    @property
+    def finished(self) -> bool:
+        return isinstance(self.state, Finished)
+
+    def rank0_outcome(self) -> WorkerExited | None:
+        """The outcome of the lowest rank that finished, as Ray Train returns rank 0's."""
+        ranked = [w for w in self.members if w in self.outcomes] or sorted(self.outcomes)
+        return self.outcomes[ranked[0]] if ranked else None
+
+    # --- observations ---------------------------------------------------------------------
+    def _on_ready(self, obs: WorkerReady, now: float) -> list[Action]:
+        record = self.workers.get(obs.worker_id)
+        if record is None or record.status != Status.STARTING:
+            return []
+        record.status, record.node, record.pid = Status.IDLE, obs.node, obs.pid
+        self.first_ready_at = self.first_ready_at or now
+        started = {"worker_id": obs.worker_id, "node": obs.node, "pid": obs.pid, "host": obs.host, "binds": obs.binds}
+        if self.scaling.replica_size > 1:
+            started["replica"] = obs.worker_id // self.scaling.replica_size
+        actions = [Emit("worker_started", started)]
+        return actions + self._reconcile(now)
+
+    def _on_exited(self, obs: WorkerExited, now: float) -> list[Action]:
+        record = self.workers[obs.worker_id]
+        if record.status == Status.GONE:
+            return []
+        rank = self.members.index(obs.worker_id) if obs.worker_id in self.members else None
+        if obs.exit == Exit.FINISHED:
+            record.status = Status.GONE
+            self.outcomes[obs.worker_id] = obs
+            actions = self._abort_formation(now) if isinstance(self.state, (Preparing, Forming)) else []
+            if not isinstance(self.state, Finishing):
+                actions += self._enter(Finishing(now), f"rank {rank} finished its train loop at step {obs.step}")
+            return actions + self._maybe_finished()
+        actions: list[Action] = []
+        if obs.exit == Exit.APP_ERROR:
+            self.failures += 1
+            actions.append(self._worker_failed(obs.worker_id, "app_error", obs.cause))
+            decision = policies.decide_failure("app_error", self.failures, self.failure.max_failures)
+            actions.append(self._decision(decision.action, decision.reason))
+            if decision.action == "RAISE" or isinstance(self.state, Finishing):
+                record.status = Status.GONE
+                return actions + self._enter(Failed(obs.cause, "app_error", rank, obs.traceback), decision.reason)
+            actions.append(Kill(obs.worker_id))
+        elif not record.evicted_for and obs.exit == Exit.DIED:
+            actions.append(self._worker_failed(obs.worker_id, "death", obs.cause))
+        return actions + self._lose(obs.worker_id, now)
+
+    def _on_broken(self, obs: GroupBroken, now: float) -> list[Action]:
+        if obs.generation != self.running or self.broken or isinstance(self.state, Finishing):
+            return []
+        self.failure_at = self.failure_at or now
+        if isinstance(self.state, Forming):
+            # Its members join the offered generation anyway, broken or not; only a death
+            # (observed on its own) aborts it.
+            return []
+        actions = self._break(now)
+        if isinstance(self.state, Failed):
+            return actions
+        if isinstance(self.state, Preparing):
+            actions += self._abort_formation(now)
+        return actions + self._reconcile(now)
+
+    def _on_prepared(self, obs: SwitchPrepared, now: float) -> list[Action]:
+        state = self.state
+        if not isinstance(state, Preparing) or state.formation.generation != obs.generation:
+            return []
+        answers = dict(state.answers) | {obs.worker_id: obs.step}
+        if set(answers) < set(self.members):
+            self.state = Preparing(state.formation, tuple(answers.items()))
+            return []
+        earliest = max(answers.values()) + PREPARE_SLACK_STEPS
+        switch = -(-earliest // self.switch_every) * self.switch_every
+        if switch >= self.max_steps:
+            # Too close to the end to be worth a switch; the newcomers stay idle.
+            return [Abort(state.formation.generation, self.members),
+                    *self._enter(Running(self.running), f"no grow: step {switch} is past max_steps")]
+        formation = dataclasses.replace(state.formation, switch_step=switch, decided_at=now)
+        return [Offer(formation), *self._enter(Forming(formation), f"{formation.detail}, switching at step {switch}")]
+
+    def _on_formed(self, obs: FormedReport, now: float) -> list[Action]:
+        state = self.state
+        if not isinstance(state, Forming) or state.formation.generation != obs.generation:
+            return []
+        if not obs.ok and obs.state_lost:
+            # No worker's state can be used: the next formation restarts from the latest
+            # checkpoint. A death is not a failure, so this is not counted as one.
+            if not obs.checkpointed:
+                message = (f"generation {obs.generation} lost part of the run's state ({obs.error}) and there is no "
+                           "complete checkpoint to restart from; checkpoint often (CheckpointConfig(every_steps=N)), "
+                           "and with ZeRO keep Strategy(zero_replicas=1)")
+                return self._enter(Failed(message, "state_lost"), "state lost, no checkpoint")
+            for record in self.workers.values():
+                record.holds_state = False
+            reason = (f"generation {obs.generation} lost part of the run's state on worker {obs.worker_id} "
+                      f"({obs.error}); restarting from the latest complete checkpoint")
+            actions = [self._decision("RESTART", reason), *self._abort_formation(now)]
+            self.broken = True
+            self.failure_at = self.failure_at or now
+            return actions + self._reconcile(now)
+        if not obs.ok:
+            self.failed_formations += 1
+            reason = f"generation {obs.generation} did not form on worker {obs.worker_id}: {obs.error}"
+            if self.failed_formations > MAX_FAILED_FORMATIONS:
+                message = (f"{self.failed_formations} generations in a row failed to form; the last: {obs.error}. "
+                           "Check that workers can reach each other and the controller's TCPStore.")
+                return self._enter(Failed(message, "formation"), reason)
+            actions = [self._decision("REFORM", reason), *self._abort_formation(now)]
+            self.broken = True  # its members may have left the running generation already
+            self.failure_at = self.failure_at or now
+            return actions + self._reconcile(now)
+        acked = dict(state.acked) | {obs.worker_id: obs}
+        if set(acked) < set(state.formation.members):
+            self.state = Forming(state.formation, tuple(acked.items()))
+            return []
+        return self._commit(state.formation, acked, now)
+
+    def note_step(self, step: int) -> None:
+        """A step committed (from the workers' reports): the run is making progress."""
+        if step > self.committed_step:
+            self.committed_step = step
+            self.heals_without_step = 0
+
+    def _on_tick(self, obs: Tick, now: float) -> list[Action]:
+        self.note_step(obs.step)
+        state = self.state
+        if obs.straggler is not None and isinstance(state, Running):
+            return self._evict_straggler(*obs.straggler, now)
+        if isinstance(state, Waiting):
+            if now > state.deadline:
+                live = len(self.members) + len(self._with(Status.IDLE))
+                scaling = self.scaling
+                if scaling.replica_size > 1:
+                    short = (f"only {live} of the {scaling.min_workers} workers that min_replicas("
+                             f"{scaling.replica_range[0]}) replicas of {scaling.replica_size} need")
+                    knob = "min_replicas"
+                else:
+                    short, knob = f"only {live} of min_workers({scaling.min_workers}) workers", "min_workers"
+                message = (f"{short} could run for FailureConfig(capacity_timeout_s={self.failure.capacity_timeout_s}); "
+                           f"each worker needs {scaling.worker_resources()}. Add capacity or lower {knob}.")
+                return self._enter(Failed(message, "capacity"), "capacity timeout")
+            return self._reconcile(now)
+        stalled = now - max(obs.last_step_at, self.progress_at)
+        if self.polling:
+            return []
+        # Past the short reach deadline the members are only pinged: one that answers is left
+        # alone until the hang deadline, one that does not is unreachable (`_on_polled`).
+        hang = stalled > obs.deadline_s
+        if not hang and now - max(obs.last_step_at, self.progress_at, self.pinged_at) <= obs.reach_deadline_s:
+            return []
+        self.polling, self.judging_hang, self.pinged_at = True, hang, now
+        self.deadline_s, self.stalled_since = obs.deadline_s, now - stalled
+        watched = state.formation.members if isinstance(state, Forming) else self.members
+        return [PollProgress(tuple(w for w in watched if self.workers[w].status != Status.GONE))]
+
+    def _on_shard_written(self, obs: ShardWritten, now: float) -> list[Action]:
+        self.progress_at = now  # a slow upload holds the run up; it is not a hang
+        return []
+
+    def _on_polled(self, obs: ProgressPolled, now: float) -> list[Action]:
+        self.polling = False
+        actions = self._lose_unreachable(obs, now)
+        if not self.judging_hang or isinstance(self.state, TERMINAL):
+            return actions
+        self.progress_at = now
+        if any(p is not None and p.checkpointing for p in obs.answers.values()):
+            return actions  # an upload holds the run up: that is progress, not a hang
+        state = self.state
+        suspects = {w: p for w, p in obs.answers.items() if p is not None and not p.connecting}
+        if isinstance(state, Forming):
+            # Those at the barrier wait for the others; only the ones that never came can be hung.
+            acked = dict(state.acked)
+            suspects = {w: p for w, p in suspects.items()
+                        if w not in acked and p.arrived < state.formation.generation}
+        if actions or not suspects:
+            # The members waited on an unreachable peer (the heal releases them), or on peers of a
+            # generation they are connecting (its connect timeout does).
+            return actions
+        hung = policies.find_hung({w: (p.step, p.entered_sync, p.launched) for w, p in suspects.items()})
+        # In a formation, the members that never came are the culprits even when alike: a
+        # formation takes milliseconds once everyone is there. In a running generation, alike
+        # members that all answer may just be in a long evaluation.
+        forming = isinstance(state, Forming)
+        if not forming and set(hung) == set(suspects):
+            blocked = sorted({p.blocked_in for p in suspects.values()})
+            if all(blocked):
+                return self._collective_deadlock(blocked, now)
+            if self.stalled_s < self.failure.hang_ceiling_s:
+                # Everyone answers and nobody is behind (a long evaluation, a slow filesystem):
+                # nothing points at a culprit, so only the ceiling ends the wait.
+                return []
+        for worker_id in hung:
+            why = f"was behind its peers at {suspects[worker_id]}, past the hang deadline"
+            actions += self._give_up(worker_id, "hang", why, now, detect_s=self.stalled_s, deadline_s=self.deadline_s)
+        return actions
+
+    def _lose_unreachable(self, obs: ProgressPolled, now: float) -> list[Action]:
+        """Members that answered no ping are unreachable (dead, or alive behind a link that is down):
+        each is lost now, like a death, so the heal releases the members waiting on it; it is
+        killed too, and nothing it sends later counts (`fenced`). Ray itself would call its node
+        dead only after about a minute of failed health checks."""
+        actions: list[Action] = []
+        for worker_id, answer in obs.answers.items():
+            if answer is not None or self.workers[worker_id].status == Status.GONE or isinstance(self.state, TERMINAL):
+                continue
+            # The survivors stood still since the last committed step: the recovery counts from there.
+            self.failure_at = min(self.failure_at or now, self.stalled_since)
+            self.detect_s = max(self.detect_s, now - self.stalled_since)
+            why = f"answered no ping within FailureConfig(ping_timeout_s={self.failure.ping_timeout_s})"
+            actions += self._give_up(worker_id, "unreachable", why, now, detect_s=now - self.stalled_since)
+        return actions
+
+    def fenced(self, worker_id: int) -> bool:
+        """Whether what `worker_id` sends must be refused: the controller gave up on it (it was
+        unreachable, hung or evicted), so it may still run, cut off, on a generation that moved on."""
+        record = self.workers.get(worker_id)
+        return record is not None and bool(record.evicted_for)
+
+    # --- decisions --------------------------------------------------------------------------
+    def _reconcile(self, now: float) -> list[Action]:
+        """Offer the membership the policies want, if no formation is under way."""
+        if isinstance(self.state, (Preparing, Forming, Finishing, *TERMINAL)):
+            return []
+        idle = self._with(Status.IDLE)
+        starting = bool(self._with(Status.STARTING))
+        if self.running < 0 and not self.members and starting and self.first_ready_at is not None \
+                and now - self.first_ready_at < START_GRACE_S and len(idle) < self.scaling.max_workers:
+            return []  # the first generation waits briefly for workers starting alongside
+        ready = [w for w in idle if all(self.workers[m].status == Status.IDLE for m in self._replica_of(w))]
+        decision = policies.decide_membership(self.members, ready, self.broken or not self.members,
+                                              self.scaling.min_workers, self.scaling.max_workers,
+                                              self.scaling.replica_size)
+        if isinstance(decision, policies.WaitDecision):
+            if isinstance(self.state, Waiting):
+                return []
+            deadline = now + self.failure.capacity_timeout_s
+            return self._enter(Waiting(now, deadline, decision.reason), decision.reason)
+        if isinstance(decision, policies.NoopDecision):
+            return []
+        members = decision.members
+        restart = not any(self.workers[w].holds_state for w in members)
+        if restart:
+            reason = Reason.START if self.running < 0 else Reason.RESTART
+        else:
+            reason = Reason.HEAL if self.broken else Reason.GROW
+        if reason == Reason.GROW and self.committed_step + PREPARE_SLACK_STEPS + 1 >= self.max_steps:
+            return []
+        self.generation += 1
+        since = self.failure_at if reason in (Reason.HEAL, Reason.RESTART) and self.failure_at else now
+        formation = Formation(self.generation, tuple(members), reason, decision.reason, since, decided_at=now)
+        self.progress_at = now
+        if reason == Reason.GROW:
+            return [Prepare(formation.generation, self.members), *self._enter(Preparing(formation), decision.reason)]
+        return [Offer(formation, restart=restart), *self._enter(Forming(formation), decision.reason)]
+
+    def _commit(self, formation: Formation, acked: dict[int, FormedReport], now: float) -> list[Action]:
+        old_size, self.running_size = self.running_size, len(formation.members)
+        heal = formation.reason in (Reason.HEAL, Reason.RESTART)
+        # The phases that stopped training are those of the members that were training: a
+        # newcomer's or a spare's wait at the barrier stops nobody.
+        holders = [r for w, r in acked.items() if self.workers[w].holds_state] or list(acked.values())
+        self.running, self.members, self.broken = formation.generation, formation.members, False
+        self.failed_formations, self.progress_at = 0, now
+        self.committed_at_step = self.committed_step
+        for worker_id in formation.members:
+            self.workers[worker_id].status = Status.MEMBER
+            self.workers[worker_id].holds_state = True
+        first = acked[formation.members[0]]
+        phases = {k: max(r.timings.get(k, 0.0) for r in holders) for k in ("leave_s", "barrier_s", "connect_s", "sync_s")}
+        actions: list[Action] = [Emit("generation_formed", {
+            "generation": formation.generation, "world_size": len(formation.members), "kind": formation.reason.value,
+            "reason": formation.detail, "seconds": now - formation.since, "source_rank": first.source_rank,
+            "step": first.step, "switch_step": formation.switch_step,
+            # The running members' pause: from leaving the old group to training in the new one.
+            "pause_s": max(sum(r.timings.values()) for r in holders), **phases,
+            "members": [{"worker_id": w, "pid": self.workers[w].pid, "node": self.workers[w].node}
+                        for w in formation.members],
+        })]
+        if old_size and old_size != len(formation.members):
+            actions.append(Emit("rescale", {"generation": formation.generation, "from_size": old_size,
+                                            "to_size": len(formation.members), "reason": formation.detail}))
+        if heal and self.failure_at is not None:
+            rolled_back = max(0, self.committed_step - first.step)
+            actions.append(Emit("recovery", {
+                "generation": formation.generation, "seconds": now - self.failure_at,
+                "decide_s": formation.decided_at - self.failure_at, **phases,
+                "steps_lost": max(rolled_back, *(r.steps_lost for r in acked.values())),
+                "world_size": len(formation.members), "from_checkpoint": formation.reason == Reason.RESTART,
+                "detect_s": self.detect_s,
+            }))
+        self.failure_at, self.detect_s = None, 0.0  # a grow that commits after a break took the broken members in too
+        if formation.reason == Reason.RESTART:
+            # Back at a checkpoint: the steps it replays are progress again, for the crash-loop bound.
+            self.committed_step = self.committed_at_step = first.step
+        return actions + self._enter(Running(formation.generation), formation.detail) + self._reconcile(now)
+
+    def _lose(self, worker_id: int, now: float) -> list[Action]:
+        """A worker is gone: abort a formation it was in, heal the generation it was in."""
+        record = self.workers[worker_id]
+        record.status = Status.GONE
+        self._note_node_failure(record.node, now)
+        actions: list[Action] = []
+        if isinstance(self.state, Finishing):
+            return self._maybe_finished()
+        actions += self._release_replica_of(worker_id)
+        state = self.state
+        if isinstance(state, (Preparing, Forming)) and worker_id in state.formation.members:
+            actions += self._abort_formation(now)
+        if worker_id in self.members:
+            self.members = tuple(w for w in self.members if w != worker_id)
+            if not self.broken:
+                actions += self._break(now)
+                if isinstance(self.state, Failed):
+                    return actions
+            if not self.members:
+                self.failures += 1
+                decision = policies.decide_failure("all_lost", self.failures, self.failure.max_failures)
+                actions.append(self._decision(decision.action, decision.reason))
+                if decision.action == "RAISE":
+                    message = f"every worker was lost (the last: worker {worker_id}); {decision.reason}"
+                    return actions + self._enter(Failed(message, "all_lost"), decision.reason)
+        return actions + self._top_up() + self._reconcile(now)
+
+    def _release_replica_of(self, worker_id: int) -> list[Action]:
+        """A replica cannot run without any one of its stages: the rest of a lost worker's replica
+        leaves with it, and a new replica forms when capacity for a whole one is back."""
+        actions: list[Action] = []
+        for mate in self._replica_of(worker_id):
+            record = self.workers[mate]
+            if mate == worker_id or record.status == Status.GONE:
+                continue
+            if not record.evicted_for:  # one the controller already killed (hung, say) is not killed twice
+                why = f"worker {worker_id} of its replica was lost; a replica trains only whole"
+                actions += [self._worker_failed(mate, "replica", why), Kill(mate)]
+                record.evicted_for = "replica"
+            record.status = Status.GONE
+            self.members = tuple(w for w in self.members if w != mate)
+        return actions
+
+    def _replica_of(self, worker_id: int) -> range:
+        """The workers of `worker_id`'s replica: workers are started in whole replicas, with consecutive ids."""
+        size = self.scaling.replica_size
+        first = worker_id // size * size
+        return range(first, first + size)
+
+    def _collective_deadlock(self, blocked: list[str], now: float) -> list[Action]:
+        """Every member waits in a collective the others never complete: a bug in the train
+        loop (a collective some ranks skip, or call with other shapes), not a fault."""
+        self.failures += 1
+        cause = (f"every rank has waited {self.stalled_s:.1f} s in a collective, past the hang deadline of "
+                 f"{self.deadline_s:.1f} s: {'; '.join(blocked)}. A collective that some ranks skip, or call with "
+                 "different shapes, never completes; call it on every rank with the same shapes")
+        decision = policies.decide_failure("app_error", self.failures, self.failure.max_failures)
+        actions: list[Action] = [self._decision(decision.action, decision.reason)]
+        if decision.action == "RAISE":
+            return actions + self._enter(Failed(cause, "app_error"), decision.reason)
+        for worker_id in self.members:
+            actions += self._evict(worker_id, "app_error", cause)
+        return actions
+
+    def _break(self, now: float) -> list[Action]:
+        """The running generation broke. Generations in a row that break before committing a
+        step are a crash loop (the same step keeps failing), which fails the run past its limit."""
+        self.broken = True
+        self.failure_at = self.failure_at or now
+        if self.committed_step == self.committed_at_step:
+            self.heals_without_step += 1
+        limit = self.failure.max_heals_without_step
+        if self.heals_without_step <= limit:
+            return []
+        message = (f"{self.heals_without_step} generations in a row broke before committing a step, more than "
+                   f"FailureConfig(max_heals_without_step={limit}): the same step keeps failing (a crash loop, or a "
+                   "collective the train loop calls differently on different ranks). Fix the train loop or the "
+                   "failing nodes.")
+        return self._enter(Failed(message, "crash_loop"), "crash loop")
+
+    def _abort_formation(self, now: float) -> list[Action]:
+        state = self.state
+        assert isinstance(state, (Preparing, Forming))
+        formation = state.formation
+        live = tuple(w for w in formation.members if self.workers[w].status != Status.GONE)
+        if isinstance(state, Forming) and formation.reason == Reason.GROW:
+            # Members may already have left the running generation at the switch step: it
+            # must be healed, or they would wait for an offer forever.
+            self.broken = True
+            self.failure_at = self.failure_at or now
+        if self.running >= 0:
+            self.state = Running(self.running)
+        else:
+            self.state = Waiting(now, now + self.failure.capacity_timeout_s, "the first generation was aborted")
+        return [Abort(formation.generation, live),
+                Emit("state", {"state": "ABORTED", "generation": formation.generation,
+                               "reason": f"generation {formation.generation} aborted before it committed"})]
+
+    def _evict(self, worker_id: int, kind: str, why: str, **fields: float) -> list[Action]:
+        """Kill a live worker; its death then heals like any other."""
+        record = self.workers[worker_id]
+        record.evicted_for = kind
+        return [self._worker_failed(worker_id, kind, why, **fields), Kill(worker_id)]
+
+    def _give_up(self, worker_id: int, kind: str, why: str, now: float, **fields: float) -> list[Action]:
+        """Evict a member and lose it at once, as a death: the heal's offer goes out now, without
+        it, and releases whoever waits on it. Waiting for its kill to land first would leave it in
+        the membership meanwhile, and a formation offered then (a survivor's broken collective
+        asks for one) would wait on it."""
+        return self._evict(worker_id, kind, why, **fields) + self._lose(worker_id, now)
+
+    def _evict_straggler(self, worker_id: int, reason: str, now: float) -> list[Action]:
+        if self.workers[worker_id].status != Status.MEMBER or self.workers[worker_id].evicted_for:
+            return []
+        return [self._decision("EVICT", f"worker {worker_id} is a straggler: {reason}"),
+                *self._give_up(worker_id, "straggler", reason, now)]
+
+    def _maybe_finished(self) -> list[Action]:
+        if any(self.workers[w].status != Status.GONE for w in self.members):
+            return []
+        return self._enter(Finished(), "every member ended its train loop")
+
+    def _top_up(self) -> list[Action]:
+        """Request workers until live ones reach max_workers plus the warm spares."""
+        live = sum(r.status != Status.GONE for r in self.workers.values())
+        # A lost replica goes whole (`_release_replica_of`), so this requests whole replicas.
+        count = policies.workers_to_start(live, self.scaling.max_workers + self.scaling.spare_workers)
+        ids = tuple(range(len(self.workers), len(self.workers) + count))
+        for worker_id in ids:
+            self.workers[worker_id] = WorkerRecord(worker_id)
+        return [StartWorkers(ids)] if ids else []
+
+    def _note_node_failure(self, node: str, now: float) -> None:
+        if node:
+            self.node_failures.setdefault(node, []).append(now)
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _with(self, status: Status) -> list[int]:
+        return sorted(w for w, r in self.workers.items() if r.status == status)
+
+    def _enter(self, state: ControllerState, reason: str) -> list[Action]:
+        self.state = state
+        return [Emit("state", {"state": state.name, "reason": reason, "generation": self.generation})]
+
+    def _decision(self, action: str, reason: str) -> Emit:
+        return Emit("decision", {"action": action, "reason": reason, "failures": self.failures})
+
+    def _worker_failed(self, worker_id: int, kind: str, cause: str, **fields: float) -> Emit:
+        record = self.workers[worker_id]
+        rank = self.members.index(worker_id) if worker_id in self.members else None
+        return Emit("worker_failed", {"worker_id": worker_id, "rank": rank, "node": record.node, "pid": record.pid,
+                                      "kind": kind, "cause": cause, "generation": self.running, **fields})

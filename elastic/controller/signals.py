@@ -1,0 +1,177 @@
+"""What the controller observes and what it does: typed messages between the protocol
+(`elastic.controller.protocol`, pure) and the controller actor that carries its actions out with Ray.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic.controller.states import Formation
+
+# --- observations ---------------------------------------------------------------------
+
+
+class Exit(enum.Enum):
+    FINISHED = "finished"  # the train loop returned
+    APP_ERROR = "app_error"  # the train loop raised: a bug in the user's code
+    DIED = "died"  # the process is gone (Ray's outstanding call on it failed)
+    EVICTED = "evicted"  # the controller closed its mailbox; it stopped
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """A worker's train loop waits to join its first generation."""
+
+    worker_id: int
+    node: str
+    pid: int
+    host: str = ""
+    binds: str = ""  # the address its collective groups bind (elastic.comm.binding)
+
+
+@dataclass(frozen=True)
+class WorkerExited:
+    worker_id: int
+    exit: Exit
+    cause: str = ""
+    step: int = 0
+    traceback: str = ""
+    value: Any = None
+    model: Any = None  # a finished rank 0's whole model (TrainContext.final_model)
+
+
+@dataclass(frozen=True)
+class GroupBroken:
+    """A member's collective failed: it left `generation` and waits for a newer one."""
+
+    worker_id: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class SwitchPrepared:
+    """A running member's answer to a prepare: the step it is at."""
+
+    worker_id: int
+    generation: int
+    step: int
+
+
+@dataclass(frozen=True)
+class FormedReport:
+    """A member's outcome of joining `generation`."""
+
+    worker_id: int
+    generation: int
+    ok: bool
+    step: int = 0
+    source_rank: int = 0
+    steps_lost: int = 0
+    error: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    state_lost: bool = False  # the run's live state is gone (a ZeRO shard without a holder)
+    checkpointed: bool = False  # a complete checkpoint exists to restart from (the controller's knowledge)
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passes. `last_step_at`: when the newest committed step was reported;
+    `deadline_s`: how long the run may go without one (from measured step times), the hang
+    deadline; `reach_deadline_s`: how long before the members are pinged for one that is
+    unreachable; `straggler`: what `policies.find_straggler` found."""
+
+    step: int = 0
+    last_step_at: float = 0.0
+    deadline_s: float = float("inf")
+    reach_deadline_s: float = float("inf")
+    straggler: tuple[int, str] | None = None  # a member to evict, with the reason
+
+
+@dataclass(frozen=True)
+class ShardWritten:
+    """A rank finished uploading a checkpoint shard: progress, though no step committed."""
+
+    worker_id: int
+    step: int
+
+
+@dataclass(frozen=True)
+class WorkerProgress:
+    step: int
+    entered_sync: int
+    launched: int
+    arrived: int  # the newest generation whose barrier it reached
+    checkpointing: bool  # waiting for its checkpoint upload
+    blocked_in: str = ""  # the torch.distributed call its train thread waits in, if any
+    connected: int = -1  # the newest generation whose groups it connected
+
+    @property
+    def connecting(self) -> bool:
+        """Past a barrier's "go", connecting that generation's groups: waiting on its peers, for at
+        most CONNECT_TIMEOUT_S (a peer that died right after the barrier), never hung."""
+        return self.arrived > self.connected
+
+
+@dataclass(frozen=True)
+class ProgressPolled:
+    """Each polled member's progress; None when it did not answer in time."""
+
+    answers: dict[int, WorkerProgress | None]
+
+
+Observation = (WorkerReady | WorkerExited | GroupBroken | SwitchPrepared | FormedReport | Tick | ProgressPolled
+               | ShardWritten)
+
+# --- actions ----------------------------------------------------------------------------
+
+# Steps a rank may start after answering a prepare before it waits for the commit: the
+# protocol commits a switch step this far past every answer (`elastic.worker.mailbox` waits).
+PREPARE_SLACK_STEPS = 2
+
+
+@dataclass(frozen=True)
+class StartWorkers:
+    worker_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Prepare:
+    generation: int
+    members: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Offer:
+    """Send each member its spec of `formation`; `restart`: nobody holds live state."""
+
+    formation: Formation
+    restart: bool = False
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Cancel `generation`: its barrier key, and each worker's pending prepare or offer."""
+
+    generation: int
+    workers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Kill:
+    worker_id: int
+
+
+@dataclass(frozen=True)
+class PollProgress:
+    members: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Emit:
+    type: str
+    fields: dict[str, Any]
+
+
+Action = StartWorkers | Prepare | Offer | Abort | Kill | PollProgress | Emit

@@ -1,0 +1,9 @@
+"""Parallelism inside a replica: the layout of replicas over a generation's ranks (`replicas`),
+pipeline stages (`pipeline`), tensor parallelism (`tensor_parallel`), and the prepared models
+of pipelined and tensor-parallel replicas (`pipelined_replica`, `tensor_parallel_replica`).
+
+May import `elastic.checkpoint` and every layer below it; not its siblings `elastic.journal`
+and `elastic.techniques`, nor the worker runtime above. Nothing is re-exported here: torch's
+pipelining and DTensor take seconds to import, and a worker imports them only when its run
+uses them.
+"""

@@ -1,0 +1,160 @@
+"""The prepared model of a pipelined run: this worker's pipeline stage of its replica.
+
+With `ScalingConfig(pipeline_stages=S)`, `ctx.prepare_model(nn.Sequential(...), loss_fn=...)`
+returns a `PipelinedReplica`. The worker's stage is fixed when it starts (the i-th worker of a
+replica holds stage i for its whole life), so the other stages' layers are dropped at once and
+the optimizer is built over this stage's parameters:
+
+    model = ctx.prepare_model(nn.Sequential(...), loss_fn=nn.functional.mse_loss)
+    optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for step in ctx.steps(dataset):
+        with step:
+            batch = step.batch()             # this replica's share of the global batch: (inputs, targets)
+            loss = model.step(batch)         # the replica's mean loss on the last stage, None on the others
+            optimizer.step()
+            optimizer.zero_grad()
+
+`step(batch)` runs the replica's share through the pipeline schedule, which cuts it into
+`Strategy(pipeline_microbatches)` micro-batches and leaves each stage's gradient of the share's
+mean loss; then each stage's gradients are averaged across the replicas, over its data-parallel
+group (the same stage of every replica), each weighted by its share of the step's samples. That
+is the gradient of the global batch's mean loss, as one process would compute it: the same
+math at any number of replicas.
+
+Every generation binds the stage anew (`bind`): torch's pipeline stage and schedule hold their
+process group, and each generation's mesh has new ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic.comm.flat_state import reduce_in_place
+from elastic.errors import ElasticError
+from elastic.parallel.pipeline import PipelinedModel
+from elastic.parallel.tensor_parallel import Plan, check_plan, resolve
+from elastic.parallel.tensor_parallel_replica import TensorParallelReplica, local_gradients
+
+
+@dataclass
+class ReplicaBatch:
+    """A replica's share of one step: the collated `data` (inputs, targets), its sample `indices`,
+    and its `weight`, the share's part of the step's samples."""
+
+    data: Any
+    indices: torch.Tensor
+    weight: float
+    on_sync: Callable[[], None]  # called once the share's backward is done, before the gradients travel
+
+
+class PipelinedReplica:
+    """One stage of a replica's pipelined model, whose gradients average over the replicas."""
+
+    def __init__(self, layers: nn.Sequential, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                 stages: int, stage: int, microbatches: int, schedule: str, tensor_parallel: int = 1,
+                 plan: Plan | None = None, split_points: Sequence[int] | None = None) -> None:
+        self.pipe = PipelinedModel(layers, stages, loss_fn, microbatches=microbatches, schedule=schedule,
+                                   split_points=split_points)
+        if tensor_parallel > 1:
+            # On the whole model: a key that names no layer of any stage is refused, not dropped.
+            check_plan(layers if isinstance(layers, nn.Module) else nn.Sequential(*layers), plan or {}, tensor_parallel)
+        self.pipe.hold(stage)
+        # With tensor parallelism the stage's layers are cut across its tensor-parallel group: each
+        # generation binds that first (the state is its local slices), then the stage's pipeline.
+        self.tensor = (TensorParallelReplica(self.pipe.module, stage_plan(plan or {}, self.pipe.module),
+                                             tensor_parallel) if tensor_parallel > 1 else None)
+        self._average: Callable[[torch.Tensor], None] | None = None
+        self._agree: Callable[[], None] | None = None
+
+    @property
+    def module(self) -> nn.Module:
+        """This stage's layers, under the whole model's names (this generation's, when tensor parallel)."""
+        return self.tensor.module if self.tensor is not None else self.pipe.module
+
+    def train(self, mode: bool = True) -> "PipelinedReplica":
+        (self.tensor or self.module).train(mode)
+        return self
+
+    def eval(self) -> "PipelinedReplica":
+        return self.train(False)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.tensor.state_dict() if self.tensor is not None else self.module.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.tensor is not None:
+            self.tensor.load_state_dict(state)
+        else:
+            self.module.load_state_dict(state)
+
+    def bind(self, pipeline_group: dist.ProcessGroup, average: Callable[[torch.Tensor], None],
+             agree: Callable[[], None]) -> None:
+        """Join this generation: the replica's stages over `pipeline_group`; `average`, which sums
+        a flat buffer of gradients across the replicas in place (a collective of the stage's
+        data-parallel group); and `agree`, which returns once every stage of every replica holds
+        its averaged gradients, and fails on every survivor alike if one does not (see `step`). A tensor-parallel stage's
+        `tensor` is bound to its group before."""
+        if self.tensor is not None:
+            self.pipe.replace_module(self.tensor.tp.module)
+        self.pipe.bind(pipeline_group)
+        self._average, self._agree = average, agree
+
+    def unbind(self) -> list[Any]:
+        """Leave the generation: what held its process groups, for the caller to let go of."""
+        held = self.pipe.unbind()
+        self._average = self._agree = None
+        return held
+
+    def step(self, batch: ReplicaBatch) -> torch.Tensor | None:
+        """Forward and backward of the replica's share through the pipeline, then the gradients
+        averaged across the replicas: each parameter's .grad is the global batch's."""
+        if self._average is None:
+            raise ElasticError("model.step(batch) runs inside `with step:` of ctx.steps(), once a generation formed")
+        inputs, targets = _inputs_and_targets(batch.data)
+        loss = self.pipe.step(inputs, targets)
+        batch.on_sync()
+        reduce_in_place(local_gradients(self.module), self._average, scale=batch.weight)
+        # The stages average over different groups, so a death can fail one stage's average while
+        # another's completes; a stage that then stepped would be a step ahead of its replica,
+        # which no sync can undo. So no rank steps until the store says that every rank averaged.
+        self._agree()
+        return loss
+
+
+def stage_plan(plan: Plan, stage: nn.Module) -> dict[str, Any]:
+    """The keys of a whole model's tensor-parallel plan that name modules of this stage (its layers keep
+    the whole model's names)."""
+    return {path: style for path, style in plan.items() if resolve(stage, path)}
+
+
+def _inputs_and_targets(data: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        return data[0], data[1]
+    raise ElasticError(f"a pipelined run's dataset must give (inputs, targets) pairs of tensors, which stage 0 and the "
+                       f"last stage take; a batch of them collated to {type(data).__name__} is not one")
+
+
+def concatenated(parts: list[Any]) -> Any:
+    """Collated micro-batches (tensors, or tuples/lists/dicts of them) joined into one batch."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, (tuple, list)):
+        return type(first)(concatenated(list(items)) for items in zip(*parts))
+    if isinstance(first, dict):
+        return {key: concatenated([part[key] for part in parts]) for key in first}
+    raise ElasticError(f"a pipelined run joins its share's micro-batches into one batch, and cannot join "
+                       f"{type(first).__name__}; give a dataset whose samples collate to tensors")
+

@@ -1,0 +1,183 @@
+"""What the train loop holds in one step: the `Step` (`with step:` heals a lost peer), its
+`MicroBatch`es (`mb.backward` weights the loss), the prepared model (`ElasticDDP`) and a block
+of the loop's own collectives between steps (`BetweenSteps`). Each calls back into the
+`TrainContext` that made it, which owns the generation: `StepOwner` names what they call, so
+this module needs nothing of `elastic.worker.context`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic.comm.group import is_peer_failure
+from elastic.data import order as data_math
+from elastic.errors import ElasticError
+
+if TYPE_CHECKING:
+    from elastic.parallel.pipelined_replica import ReplicaBatch
+    from elastic.techniques.strategy import Techniques
+
+
+class StepOwner(Protocol):
+    """What a `Step`, a `BetweenSteps` block and the prepared model call back into: the
+    `TrainContext`, which owns the generation they run in."""
+
+    techniques: Techniques
+    _inside_step: bool  # between a step's __enter__ and __exit__
+    _flag: Any  # the pending all-reduce of the timed-checkpoint flag, dropped when a heal leaves its group
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def _micro_batches(self, step: Step) -> Iterator[MicroBatch]: ...
+
+    def _replica_batch(self, step: Step) -> ReplicaBatch: ...
+
+    def _end_step(self, step: Step, exc: BaseException | None) -> bool: ...
+
+    def _join(self, reason: str, lost: int = 0) -> None: ...
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of this rank's share: the collated `data`, its sample `indices`, its `weight`."""
+
+    data: Any
+    indices: torch.Tensor
+    weight: float
+    on_sync: Callable[[], None] | None = None  # called before the backward that syncs gradients
+    synced: Callable[[], None] | None = None  # called after it: a tensor-parallel run averages across replicas then
+    run_backward: Callable[[torch.Tensor], None] = torch.Tensor.backward  # fp16 scales the loss first
+    step: "Step | None" = None  # counts the micro-batches backpropagated here, which the optimizer's step checks
+    weighted: bool = False  # went through backward() at least once
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate the micro-batch's mean loss, weighted so the step is the global-batch mean."""
+        if self.step is not None and self.step.averaged:
+            raise ElasticError("mb.backward() after the step's gradients were averaged across the replicas (a "
+                               "tensor-parallel run averages at the last micro-batch's backward): sum the losses "
+                               "of a micro-batch and call mb.backward once")
+        if self.on_sync is not None:
+            self.on_sync()
+        if self.step is not None and not self.weighted:
+            self.step.weighted += 1
+        self.weighted = True
+        self.run_backward(loss * self.weight)
+        if self.synced is not None:
+            self.synced()
+
+
+class Step:
+    """One optimizer step; use it as `with step:` so a lost peer heals instead of crashing."""
+
+    def __init__(self, ctx: StepOwner, index: int, cursor: data_math.DataCursor, samples: int) -> None:
+        self._ctx = ctx
+        self.index = index
+        self.cursor = cursor
+        self.samples = samples  # in the whole step, across ranks
+        self.rank = ctx.rank
+        self.world_size = ctx.world_size
+        self.entered = False
+        self.committed = False
+        self.compute_s: float | None = None
+        self.failed: str | None = None
+        self.started = 0.0
+        # Micro-batches handed out, and those backpropagated with mb.backward: a plain
+        # loss.backward() leaves its micro-batch unweighted, which the optimizer's step refuses.
+        self.given = 0
+        self.weighted = 0
+        self.averaged = False  # a tensor-parallel run's gradients were averaged across the replicas
+
+    def micro_batches(self) -> Iterator[MicroBatch]:
+        """This rank's share of the global batch, in micro-batches; gradients sync on the last one."""
+        batches = self._ctx._micro_batches(self)
+        try:
+            for batch in batches:
+                batch.step = self
+                self.given += 1
+                yield batch
+        finally:
+            batches.close()  # leaves DDP's no_sync at once if the loop stops early
+
+    def batch(self) -> "ReplicaBatch":
+        """A pipelined run's share of this step for this worker's replica, as one batch for
+        `model.step(batch)`: the pipeline schedule cuts it into micro-batches."""
+        batch = self._ctx._replica_batch(self)
+        self.given += 1
+        return batch
+
+    def __enter__(self) -> "Step":
+        self.entered = True
+        self._ctx._inside_step = True
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._ctx._inside_step = False
+        return self._ctx._end_step(self, exc)
+
+
+class BetweenSteps:
+    """A block of the train loop's own collectives outside `with step` (an evaluation, say):
+    `with ctx.between_steps() as block:`. A peer's death inside it ends the block, this rank
+    joins the healed generation at once, and `block.failed` holds the error; any other
+    exception passes through."""
+
+    def __init__(self, ctx: StepOwner) -> None:
+        self._ctx = ctx
+        self.failed: str | None = None
+
+    def __enter__(self) -> "BetweenSteps":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or not is_peer_failure(exc):
+            return False
+        # Keep the message, not the exception: its traceback would keep the old group alive.
+        self.failed = f"{type(exc).__name__}: {exc}"
+        self._ctx._flag = None
+        self._ctx._join(reason="heal")
+        return True
+
+
+class ElasticDDP(torch.nn.Module):
+    """The prepared model, a `torch.nn.Module` holding yours as `module` (so `parameters()`,
+    `state_dict()` with "module." keys, `train()`/`eval()` and `torch.compile` work as on DDP).
+
+    While a generation is formed, calls go to the DistributedDataParallel rebuilt for it (to
+    the module itself under local SGD, which syncs parameters, not gradients); before the
+    first generation, and between leaving one and forming the next, straight to the module,
+    as an evaluation before training needs. Always under the run's autocast.
+    """
+
+    def __init__(self, ctx: StepOwner, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self._ctx = ctx
+        self.ddp: DistributedDataParallel | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # DDP holds `module`: registered as a submodule, it would appear twice in state_dict().
+        if name == "ddp":
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
+
+    def forward(self, *args, **kwargs):
+        return self._ctx.techniques.precision.forward(self.module if self.ddp is None else self.ddp, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)  # the user's own attributes, as before wrapping
