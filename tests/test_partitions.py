@@ -16,9 +16,9 @@ anything the cut-off worker did, fails one of those.
 
     pytest tests/test_partitions.py              # in CI: the cut at 50 ms steps, the binding
     pytest -m soak tests/test_partitions.py      # plus: the cut at 1 s steps and at 2 workers; a cut
-        # while checkpoints are written, while a heal forms, while a grow forms; a link back after
-        # 60 s; a flapping link; a slow link (3 Mbit/s), and a node on a 100 Mbit/s link with and
-        # without straggler_factor
+        # while checkpoints are written, while a heal forms, while a grow forms, and a link back
+        # after 30 s and 60 s, each at 50 ms and 1 s steps; a flapping link; a slow link
+        # (3 Mbit/s), and a node on a 100 Mbit/s link with and without straggler_factor
 """
 
 import os
@@ -166,17 +166,18 @@ def _raylet_runs_in(cluster, node: int) -> bool:
 
 
 @pytest.mark.soak
-@pytest.mark.parametrize("back_after_s", [30.0, 60.0], ids=["30s", "60s"])
-def test_a_node_back_later_never_resurrects_its_worker(cluster, tmp_path, back_after_s):
+@pytest.mark.parametrize(("back_after_s", "pace"), [(30.0, FAST), (60.0, FAST), (30.0, SLOW), (60.0, SLOW)],
+                         ids=["30s-50ms", "60s-50ms", "30s-1s", "60s-1s"])
+def test_a_node_back_later_never_resurrects_its_worker(cluster, tmp_path, back_after_s, pace):
     # Back after 30 s, the node is still in Ray's cluster: the worker's kill is delivered, and a
     # replacement takes the CPU it held (none is free elsewhere). Back after 60 s, Ray has
     # declared the node dead (5 missed health checks), and its raylet ends, with the worker,
     # as it hears so: the run finishes at 2. Either way the old worker never trains again.
     name = f"back-{back_after_s:.0f}s"
     hold = tmp_path / f"{name}-fate-known"
-    driver, first, node = start_full(cluster, tmp_path, name, FAST, hold=(REJOIN_HOLD_STEP, hold))
+    driver, first, node = start_full(cluster, tmp_path, name, pace, hold=(min(REJOIN_HOLD_STEP, pace.max_steps // 2), hold))
     victim = first["members"][-1]["worker_id"]
-    time.sleep(FAST.cut_after_s)
+    time.sleep(pace.cut_after_s)
     cut_at = time.time()
     cluster.partition(node)
     wait_for(tmp_path, name, lambda found: [e for e in found if e["type"] == "recovery"], driver)
@@ -189,7 +190,7 @@ def test_a_node_back_later_never_resurrects_its_worker(cluster, tmp_path, back_a
     node_lived = _raylet_runs_in(cluster, node)
     if not node_lived:
         cluster.restart(node)  # the module's other tests use every node
-    _assert_same_training(outcome, FAST)
+    _assert_same_training(outcome, pace)
     found = events(tmp_path, name)
     failed = [e for e in found if e["type"] == "worker_failed"]
     assert [(e["worker_id"], e["kind"]) for e in failed] == [(victim, "unreachable")], failed
@@ -207,11 +208,13 @@ def test_a_node_back_later_never_resurrects_its_worker(cluster, tmp_path, back_a
 
 
 @pytest.mark.soak
-def test_a_member_cut_off_while_a_grow_forms_is_left_behind_and_the_grow_completes_without_it(cluster, tmp_path):
-    # 1 s steps: a SIGKILL takes the last rank; its replacement starts on the freed node, and
-    # while the grow that takes it in prepares and forms (a step or more at this pace), the
-    # node of another survivor is cut off.
-    driver, first, _ = start_full(cluster, tmp_path, "grow-cut", GROWING)
+@pytest.mark.parametrize("pace", [GROWING, FAST], ids=["1s", "50ms"])
+def test_a_member_cut_off_while_a_grow_forms_is_left_behind_and_the_grow_completes_without_it(cluster, tmp_path, pace):
+    # A SIGKILL takes the last rank; its replacement starts on the freed node, and while the
+    # grow that takes it in prepares and forms, the node of another survivor is cut off. At 1 s
+    # steps that is a step or more; at 50 ms steps the grow takes a few steps' time, and the cut
+    # lands inside it or just after it committed (the grown generation then heals without it).
+    driver, first, _ = start_full(cluster, tmp_path, "grow-cut", pace)
     members = first["members"]
     started = {e["worker_id"]: e for e in events(tmp_path, "grow-cut") if e["type"] == "worker_started"}
     killed, cut = members[-1]["worker_id"], members[1]["worker_id"]
@@ -221,7 +224,7 @@ def test_a_member_cut_off_while_a_grow_forms_is_left_behind_and_the_grow_complet
         and e["time"] > max(s["time"] for s in found if s["type"] == "worker_started")
         and len([s for s in found if s["type"] == "worker_started"]) > 3], driver)[0]
     _partition_until_lost(cluster, tmp_path, "grow-cut", driver, node_of(started[cut], cluster), cut)
-    found = _killed_and_cut_only(driver, tmp_path, "grow-cut", GROWING, killed, cut, members[0])
+    found = _killed_and_cut_only(driver, tmp_path, "grow-cut", pace, killed, cut, members[0])
     after = [e for e in found if e["type"] == "generation_formed" and e["time"] > grow["time"]]
     assert after and all(cut not in [m["worker_id"] for m in e["members"]] for e in after[1:])
 
@@ -251,13 +254,14 @@ def _killed_and_cut_only(driver, folder, name, pace, killed: int, cut: int, surv
 
 
 @pytest.mark.soak
-def test_a_worker_cut_off_while_it_writes_checkpoints_adds_nothing_a_resume_reads(cluster, tmp_path):
+@pytest.mark.parametrize("pace", [FAST, SLOW], ids=["50ms", "1s"])
+def test_a_worker_cut_off_while_it_writes_checkpoints_adds_nothing_a_resume_reads(cluster, tmp_path, pace):
     # A checkpoint every step: at the cut the victim's writer is writing, or reporting, the
     # shard of the step before, to storage it can still reach (this machine's disk). Its report
     # reaches the controller only once the link is back, and is refused; its files lie in its
     # own generation's folder of the step, which no later manifest lists.
-    cut = cut_mid_step(cluster, tmp_path, FAST, name="cut-writing", checkpoint_every=1)
-    _assert_same_training(cut.outcome, FAST)
+    cut = cut_mid_step(cluster, tmp_path, pace, name="cut-writing", checkpoint_every=1)
+    _assert_same_training(cut.outcome, pace)
     failed = [(e["worker_id"], e["kind"]) for e in cut.events if e["type"] == "worker_failed"]
     assert failed == [(cut.victim["worker_id"], "unreachable")], failed
     fenced = [e for e in cut.events if e["type"] == "fenced"]
@@ -275,19 +279,21 @@ def test_a_worker_cut_off_while_it_writes_checkpoints_adds_nothing_a_resume_read
 
 
 @pytest.mark.soak
-def test_a_member_cut_off_while_the_heal_of_a_death_forms_is_lost_too_and_the_survivor_carries_on(cluster, tmp_path):
+@pytest.mark.parametrize("pace", [FAST, SLOW], ids=["50ms", "1s"])
+def test_a_member_cut_off_while_the_heal_of_a_death_forms_is_lost_too_and_the_survivor_carries_on(cluster, tmp_path,
+                                                                                                  pace):
     # A SIGKILL takes the last rank; 20 ms later, as the survivors' heal forms, the middle
     # rank's node is cut off. The heal cannot complete with it: it is unreachable, lost in turn,
     # and rank 0 waits at 1 (below min_workers, 2) until the dead worker's replacement joins.
-    driver, first, _ = start_full(cluster, tmp_path, "heal-cut", FAST)
+    driver, first, _ = start_full(cluster, tmp_path, "heal-cut", pace)
     members = first["members"]
     started = {e["worker_id"]: e for e in events(tmp_path, "heal-cut") if e["type"] == "worker_started"}
     killed, cut = members[-1]["worker_id"], members[1]["worker_id"]
     cut_node = node_of(started[cut], cluster)
-    time.sleep(FAST.cut_after_s)
+    time.sleep(pace.cut_after_s)
     os.kill(started[killed]["pid"], signal.SIGKILL)
     time.sleep(0.02)
     _partition_until_lost(cluster, tmp_path, "heal-cut", driver, cut_node, cut)
-    found = _killed_and_cut_only(driver, tmp_path, "heal-cut", FAST, killed, cut, members[0])
+    found = _killed_and_cut_only(driver, tmp_path, "heal-cut", pace, killed, cut, members[0])
     formed = [e for e in found if e["type"] == "generation_formed"]
     assert members[0]["worker_id"] in [m["worker_id"] for m in formed[-1]["members"]], "the survivor left"
