@@ -114,6 +114,9 @@ QUOTED_KEYS = {
         "partition_sigkill_recovery_s.1s",
         "partition_detect_s.50ms",
         "partition_detect_s.1s",
+        "partition_recovery_s.3s",
+        "partition_sigkill_recovery_s.3s",
+        "partition_detect_s.3s",
     ),
     "scale": (
         "scaling.2.recovery_s",
