@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic.comm.flat_state import reduce_in_place
 from elastic.checkpoint.checkpoint import join_slices
+from elastic.comm.flat_state import reduce_in_place
 from elastic.comm.state_sync import SyncResult, state_of
 from elastic.data.loader import to_device
 from elastic.errors import ElasticError, UnweightedBackwardError

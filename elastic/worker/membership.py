@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,11 +53,10 @@ class Progress:
 
     seed: int
     step: int = 0
-    cursor: DataCursor | None = None
+    cursor: DataCursor = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.cursor is None:
-            self.cursor = DataCursor(seed=self.seed)
+        self.cursor = DataCursor(seed=self.seed)
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "cursor": self.cursor.to_dict()}
