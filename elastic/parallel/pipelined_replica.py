@@ -23,6 +23,10 @@ math at any number of replicas.
 
 Every generation binds the stage anew (`bind`): torch's pipeline stage and schedule hold their
 process group, and each generation's mesh has new ones.
+
+`PipelinedKind` is this run's prepared model as the worker's runtime sees it (a `ReplicaModel`):
+it cuts the replica's share of a step into one `ReplicaBatch` and binds the stage to each
+generation, and, with tensor-parallel stages (3D), their slices first.
 """
 
 from __future__ import annotations
@@ -35,11 +39,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic.checkpoint.checkpoint import join_slices
 from elastic.comm.flat_state import reduce_in_place
-from elastic.errors import ElasticError
+from elastic.comm.state_sync import SyncResult, state_of
+from elastic.data.loader import to_device
+from elastic.errors import ElasticError, UnweightedBackwardError
 from elastic.parallel.pipeline import PipelinedModel
+from elastic.parallel.prepared import Generation, Placement
+from elastic.parallel.replica_model import ReplicaModel
 from elastic.parallel.tensor_parallel import Plan, check_plan, resolve
-from elastic.parallel.tensor_parallel_replica import TensorParallelReplica, local_gradients
+from elastic.parallel.tensor_parallel_replica import (
+    TensorParallelReplica, adopt, local_gradients, plan_of, share_random_state,
+)
 
 
 @dataclass
@@ -131,6 +142,90 @@ class PipelinedReplica:
         # which no sync can undo. So no rank steps until the store says that every rank averaged.
         self._agree()
         return loss
+
+
+class PipelinedKind(ReplicaModel):
+    """A pipelined run's prepared model: this worker's stage (tensor-parallel slices of it in 3D)."""
+
+    needs_full_steps = True
+
+    def __init__(self, place: Placement, model: nn.Sequential | None, objects: dict[str, Any],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, plan: Plan | None,
+                 split_points: Sequence[int] | None) -> None:
+        super().__init__(place.shape, place.slot, place.device)
+        shape, strategy = place.shape, place.strategy
+        self.microbatches = strategy.pipeline_microbatches
+        self.tensor: TensorParallelReplica | None = None
+        if model is None:
+            return  # before prepare_model: the run's batches are cut alike
+        if loss_fn is None:
+            raise ElasticError(f"with pipeline_stages({shape.pipeline_stages}) the last stage computes the loss: "
+                               "call ctx.prepare_model(model, loss_fn=...), e.g. loss_fn=nn.functional.mse_loss, "
+                               "a function of (outputs, targets) returning their mean loss")
+        if shape.tensor_parallel > 1:
+            plan = plan_of(model, plan, shape.tensor_parallel)
+        self.returned = PipelinedReplica(model, loss_fn, stages=shape.pipeline_stages,
+                                         stage=place.slot // shape.tensor_parallel, microbatches=self.microbatches,
+                                         schedule=strategy.pipeline_schedule, tensor_parallel=shape.tensor_parallel,
+                                         plan=plan, split_points=split_points)
+        self.returned.module.to(place.device)  # this stage only: the others' layers are dropped
+        self.tensor = self.returned.tensor  # its slices, when its stage is tensor parallel
+        objects["model"] = self.returned
+
+    def bind(self, generation: Generation) -> None:
+        super().bind(generation)
+        if self.tensor is not None:
+            self.tensor.bind(self.mesh_groups["tp"])  # before any state moves: the state is its local slices
+
+    def synced(self, sync: SyncResult, step: int, random: Any) -> SyncResult:
+        sync = super().synced(sync, step, random)
+        if self.tensor is not None:
+            share_random_state(self.mesh_groups["tp"], random)
+        return sync
+
+    def start(self, generation: Generation) -> bool:
+        if self.returned is not None:
+            self.returned.bind(self.mesh_groups["pp"], self.average, self.agree)
+        return False
+
+    def unbind(self) -> list[Any]:
+        return [*super().unbind(), *(self.returned.unbind() if self.returned is not None else [])]
+
+    def check_micro_batches(self) -> None:
+        raise ElasticError("in a pipelined run the stages take the replica's share as one batch, which the "
+                           "schedule cuts into micro-batches: use `batch = step.batch()` and `model.step(batch)`")
+
+    def batch(self, step: Any, load: Callable[[], list], on_sync: Callable[[], None]) -> ReplicaBatch:
+        """The replica's share of `step` as one batch, which every stage of the replica reads alike."""
+        loaded = [micro for micro in load() if micro.samples]
+        samples = sum(micro.samples for micro in loaded)
+        if samples == 0 or samples % self.microbatches:
+            raise ElasticError(
+                f"step {step.index} gives replica {self.position.replica} of {self.replicas} {samples} samples, "
+                f"which do not cut into pipeline_microbatches({self.microbatches}) equal micro-batches (the epoch's "
+                "last step is short when the dataset's size is not a multiple of global_batch_size): set "
+                "DataConfig(drop_last=True), or give a dataset of a multiple of global_batch_size samples")
+        return ReplicaBatch(
+            data=to_device(concatenated([micro.data for micro in loaded]), self.device),
+            indices=torch.cat([micro.indices for micro in loaded]),
+            weight=samples / step.samples,  # the replicas' weighted gradients sum to the step's mean
+            on_sync=on_sync)
+
+    def unweighted_error(self, step: Any) -> ElasticError:
+        return UnweightedBackwardError(f"step {step.index}: the optimizer steps before model.step(batch) ran the "
+                                       "replica's batch: call loss = model.step(step.batch()) first")
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, objects: dict[str, Any],
+                          current_step: Callable[[], Any]) -> None:
+        if self.tensor is not None:
+            adopt(self.tensor, optimizer, objects)  # a stage averages its gradients in model.step
+
+    def whole_state_dict(self) -> dict[str, torch.Tensor]:
+        """The stage's part (its slices joined first, in 3D), then every stage's joined under their layers' names."""
+        part = state_of(self.returned)
+        if self.tensor is not None:
+            part = join_slices(self.gathered(part, "tp"))
+        return {name: tensor for stage in self.gathered(part, "pp") for name, tensor in stage.items()}
 
 
 def stage_plan(plan: Plan, stage: nn.Module) -> dict[str, Any]:

@@ -17,19 +17,28 @@ What a heal or a grow syncs, and a checkpoint holds, is each worker's local slic
 (`state_dict`), with the dimension each one is cut along, and the optimizer's state as local
 slices too (`LocalSlices`): tensor-parallel rank j of a new replica receives the slices of rank j
 of a live one.
+
+`TensorParallelKind` is this run's prepared model as the worker's runtime sees it (a
+`ReplicaModel`); a pipelined run's tensor-parallel stages share its random state and adopt its
+optimizer alike (`share_random_state`, `adopt`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from elastic.checkpoint.checkpoint import WHOLE
+from elastic.checkpoint.checkpoint import WHOLE, join_slices
+from elastic.comm.flat_state import reduce_in_place
+from elastic.comm.state_sync import SyncResult, state_of
 from elastic.errors import ElasticError
+from elastic.parallel.prepared import Generation, Placement
+from elastic.parallel.replica_model import ReplicaModel
 from elastic.parallel.tensor_parallel import Plan, TensorParallelModel
 
 
@@ -133,3 +142,73 @@ def cut_dim(tensor: torch.Tensor) -> int:
             if isinstance(placement, Shard):
                 return placement.dim
     return WHOLE
+
+
+def share_random_state(group: dist.ProcessGroup, random: Any) -> None:
+    """Every worker of a tensor-parallel replica computes the model's whole (unplanned) parts alike, so
+    they draw the same random numbers (dropout, say): the replica's rank 0 gives them its streams."""
+    box = [random.state_dict() if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    random.load_state_dict(box[0])
+
+
+def adopt(tensor: TensorParallelReplica, optimizer: torch.optim.Optimizer, objects: dict[str, Any]) -> None:
+    """Carry `optimizer` to each generation's module, and sync its state as local slices."""
+    tensor.tp.adopt(optimizer)
+    objects["optimizer"] = LocalSlices(optimizer)
+
+
+def plan_of(model: nn.Module, plan: Plan | None, size: int) -> Plan:
+    """The plan given to prepare_model, or the model's own `tensor_parallel_plan()`."""
+    if plan is not None:
+        return plan
+    if not callable(getattr(model, "tensor_parallel_plan", None)):
+        raise ElasticError(
+            f"with tensor_parallel({size}) the model's layers are cut by a plan: call "
+            "ctx.prepare_model(model, tensor_parallel_plan=...), e.g. elastic.parallel.tensor_parallel.mlp_plan("
+            "'0', '2') for a Sequential's Linear pair, or give the model a tensor_parallel_plan() method")
+    return model.tensor_parallel_plan()
+
+
+class TensorParallelKind(ReplicaModel):
+    """A tensor-parallel run's prepared model: this worker's slices, whose replicas average their gradients."""
+
+    def __init__(self, place: Placement, model: nn.Module, objects: dict[str, Any], plan: Plan | None) -> None:
+        super().__init__(place.shape, place.slot, place.device)
+        plan = plan_of(model, plan, place.shape.tensor_parallel)
+        model.to(place.device)
+        self.returned = TensorParallelReplica(model, plan, place.shape.tensor_parallel)
+        objects["model"] = self.returned
+
+    def bind(self, generation: Generation) -> None:
+        super().bind(generation)
+        self.returned.bind(self.mesh_groups["tp"])  # before any state moves: the state is its local slices
+
+    def synced(self, sync: SyncResult, step: int, random: Any) -> SyncResult:
+        sync = super().synced(sync, step, random)
+        share_random_state(self.mesh_groups["tp"], random)
+        return sync
+
+    def after_last_backward(self, step: Any) -> Callable[[], None]:
+        return lambda: self.average_step(step)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, objects: dict[str, Any],
+                          current_step: Callable[[], Any]) -> None:
+        adopt(self.returned, optimizer, objects)
+        # The last micro-batch's mb.backward averages; this averages a step whose loop stopped
+        # before it, or a replica that got no micro-batch.
+        optimizer.register_step_pre_hook(lambda *_: self.average_step(current_step()))
+
+    def average_step(self, step: Any) -> None:
+        """Once a step's last micro-batch is backpropagated, as DDP averages in its backward (so
+        clipping and logging see the global batch's gradient): each local gradient averaged with the
+        same tensor-parallel rank of every replica (the micro-batches' weights make the mean the global
+        batch's). Once per step."""
+        if step is None or step.averaged:
+            return
+        step.averaged = True
+        reduce_in_place(local_gradients(self.returned.module), self.average, divide=self.replicas)
+        self.agree()  # as PipelinedReplica.step: no rank steps while another's average failed
+
+    def whole_state_dict(self) -> dict[str, torch.Tensor]:
+        return join_slices(self.gathered(state_of(self.returned), "tp"))

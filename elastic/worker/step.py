@@ -1,35 +1,29 @@
 """What the train loop holds in one step: the `Step` (`with step:` heals a lost peer), its
-`MicroBatch`es (`mb.backward` weights the loss), the prepared model (`ElasticDDP`) and a block
-of the loop's own collectives between steps (`BetweenSteps`). Each calls back into the
-`TrainContext` that made it, which owns the generation: `StepOwner` names what they call, so
-this module needs nothing of `elastic.worker.context`.
+`MicroBatch`es (`mb.backward` weights the loss) and a block of the loop's own collectives
+between steps (`BetweenSteps`). Each calls back into the `TrainContext` that made it, which owns
+the generation: `StepOwner` names what they call, so this module needs nothing of
+`elastic.worker.context`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from elastic.comm.group import is_peer_failure
 from elastic.data import order as data_math
 from elastic.errors import ElasticError
 
-if TYPE_CHECKING:
-    from elastic.parallel.pipelined_replica import ReplicaBatch
-    from elastic.techniques.strategy import Techniques
 
 
 class StepOwner(Protocol):
-    """What a `Step`, a `BetweenSteps` block and the prepared model call back into: the
+    """What a `Step` and a `BetweenSteps` block call back into: the
     `TrainContext`, which owns the generation they run in."""
 
-    techniques: Techniques
     _inside_step: bool  # between a step's __enter__ and __exit__
-    _flag: Any  # the pending all-reduce of the timed-checkpoint flag, dropped when a heal leaves its group
 
     @property
     def rank(self) -> int: ...
@@ -39,7 +33,7 @@ class StepOwner(Protocol):
 
     def _micro_batches(self, step: Step) -> Iterator[MicroBatch]: ...
 
-    def _replica_batch(self, step: Step) -> ReplicaBatch: ...
+    def _one_batch(self, step: Step) -> Any: ...
 
     def _end_step(self, step: Step, exc: BaseException | None) -> bool: ...
 
@@ -54,7 +48,7 @@ class MicroBatch:
     indices: torch.Tensor
     weight: float
     on_sync: Callable[[], None] | None = None  # called before the backward that syncs gradients
-    synced: Callable[[], None] | None = None  # called after it: a tensor-parallel run averages across replicas then
+    synced: Callable[[], None] | None = None  # called after it: a replica kind averages across the replicas then
     run_backward: Callable[[torch.Tensor], None] = torch.Tensor.backward  # fp16 scales the loss first
     step: "Step | None" = None  # counts the micro-batches backpropagated here, which the optimizer's step checks
     weighted: bool = False  # went through backward() at least once
@@ -94,7 +88,7 @@ class Step:
         # loss.backward() leaves its micro-batch unweighted, which the optimizer's step refuses.
         self.given = 0
         self.weighted = 0
-        self.averaged = False  # a tensor-parallel run's gradients were averaged across the replicas
+        self.averaged = False  # the gradients were averaged across the replicas (by a replica kind, once)
 
     def micro_batches(self) -> Iterator[MicroBatch]:
         """This rank's share of the global batch, in micro-batches; gradients sync on the last one."""
@@ -107,10 +101,10 @@ class Step:
         finally:
             batches.close()  # leaves DDP's no_sync at once if the loop stops early
 
-    def batch(self) -> "ReplicaBatch":
-        """A pipelined run's share of this step for this worker's replica, as one batch for
-        `model.step(batch)`: the pipeline schedule cuts it into micro-batches."""
-        batch = self._ctx._replica_batch(self)
+    def batch(self) -> Any:
+        """This worker's replica's share of this step as one batch, for a prepared model that cuts
+        it into micro-batches itself (`model.step(batch)`)."""
+        batch = self._ctx._one_batch(self)
         self.given += 1
         return batch
 
@@ -143,41 +137,5 @@ class BetweenSteps:
             return False
         # Keep the message, not the exception: its traceback would keep the old group alive.
         self.failed = f"{type(exc).__name__}: {exc}"
-        self._ctx._flag = None
         self._ctx._join(reason="heal")
         return True
-
-
-class ElasticDDP(torch.nn.Module):
-    """The prepared model, a `torch.nn.Module` holding yours as `module` (so `parameters()`,
-    `state_dict()` with "module." keys, `train()`/`eval()` and `torch.compile` work as on DDP).
-
-    While a generation is formed, calls go to the DistributedDataParallel rebuilt for it (to
-    the module itself under local SGD, which syncs parameters, not gradients); before the
-    first generation, and between leaving one and forming the next, straight to the module,
-    as an evaluation before training needs. Always under the run's autocast.
-    """
-
-    def __init__(self, ctx: StepOwner, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = module
-        self._ctx = ctx
-        self.ddp: DistributedDataParallel | None = None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # DDP holds `module`: registered as a submodule, it would appear twice in state_dict().
-        if name == "ddp":
-            self.__dict__[name] = value
-        else:
-            super().__setattr__(name, value)
-
-    def forward(self, *args, **kwargs):
-        return self._ctx.techniques.precision.forward(self.module if self.ddp is None else self.ddp, *args, **kwargs)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(self.module, name)  # the user's own attributes, as before wrapping

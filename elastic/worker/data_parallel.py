@@ -1,0 +1,116 @@
+"""Data parallelism: the prepared models of runs whose every rank holds one copy of the model.
+
+`DataParallelModel` is plain DDP, and ZeRO-1 and local SGD, which keep the plain module (ZeRO-1
+shards only the optimizer, local SGD syncs parameters instead of gradients): each generation
+wraps the module in a new `DistributedDataParallel` whose gradient all-reduce averages the step.
+`ShardedModel` is ZeRO-2/3: FSDP2 (`elastic.techniques.fsdp`) shards the parameters anew in
+each generation, and the train loop's model holds that generation's module. Both are
+`PreparedModel`s (`elastic.parallel.prepared`); the train loop holds their `ElasticDDP`.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic.parallel.prepared import Generation, Placement, PreparedModel
+from elastic.techniques.strategy import Techniques
+
+
+class ElasticDDP(torch.nn.Module):
+    """The prepared model, a `torch.nn.Module` holding yours as `module` (so `parameters()`,
+    `state_dict()` with "module." keys, `train()`/`eval()` and `torch.compile` work as on DDP).
+
+    While a generation is formed, calls go to the DistributedDataParallel rebuilt for it (to
+    the module itself under local SGD, which syncs parameters, not gradients); before the
+    first generation, and between leaving one and forming the next, straight to the module,
+    as an evaluation before training needs. Always under the run's autocast.
+    """
+
+    def __init__(self, techniques: Techniques, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self._techniques = techniques
+        self.ddp: DistributedDataParallel | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # DDP holds `module`: registered as a submodule, it would appear twice in state_dict().
+        if name == "ddp":
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
+
+    def forward(self, *args, **kwargs):
+        return self._techniques.precision.forward(self.module if self.ddp is None else self.ddp, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)  # the user's own attributes, as before wrapping
+
+
+class DataParallelModel(PreparedModel):
+    """One whole copy of the model per rank, its gradients averaged by DDP (none yet before prepare_model)."""
+
+    def __init__(self, place: Placement, techniques: Techniques, model: torch.nn.Module | None,
+                 objects: dict[str, Any]) -> None:
+        self._techniques = techniques
+        self._device = place.device
+        if model is not None:
+            model.to(place.device)
+            self.returned = ElasticDDP(techniques, model)
+            objects["model"] = model
+            techniques.prepare_model(model, objects)
+
+    def start(self, generation: Generation) -> bool:
+        if self.returned is None:
+            return False
+        if self._techniques.replaces_ddp:
+            self.returned.ddp = None  # local SGD: no gradient all-reduce
+            return False
+        cuda = self._device.type == "cuda"
+        ddp = DistributedDataParallel(self.returned.module, device_ids=[self._device.index] if cuda else None,
+                                      init_sync=False)
+        if generation.comm_hook is not None:
+            ddp.register_comm_hook(*generation.comm_hook)
+        self.returned.ddp = ddp
+        return generation.comm_hook is not None
+
+    def unbind(self) -> list[Any]:
+        if self.returned is not None:
+            self.returned.ddp = None
+        return []
+
+    def accumulating(self, last: bool) -> AbstractContextManager:
+        ddp = self.returned.ddp if self.returned is not None else None
+        return ddp.no_sync() if ddp is not None and not last else nullcontext()
+
+    def whole_state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: _whole(tensor) for name, tensor in self.returned.module.state_dict().items()}
+
+
+class ShardedModel(DataParallelModel):
+    """ZeRO-2/3: the module is sharded by FSDP2 in each generation, which syncs the gradients itself."""
+
+    def __init__(self, place: Placement, techniques: Techniques, model: torch.nn.Module,
+                 objects: dict[str, Any]) -> None:
+        super().__init__(place, techniques, model, objects)
+        # Each generation's FSDP2 module replaces the last one as the prepared model's `module`.
+        self._techniques.sharded.on_rebuilt = lambda module: setattr(self.returned, "module", module)
+
+    def accumulating(self, last: bool) -> AbstractContextManager:
+        self._techniques.sharded.set_requires_gradient_sync(last)
+        return super().accumulating(last)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of a state dict's tensor, gathered whole if it is a shard (a DTensor of ZeRO-2/3)."""
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()  # a collective over the tensor's mesh
+    return tensor.detach().to("cpu", copy=True)

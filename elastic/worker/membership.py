@@ -1,0 +1,308 @@
+"""Membership: how this worker joins, leaves and forms generations, and what it holds meanwhile.
+
+`Membership.join` leaves the current generation and joins the newest one the controller offers
+(through the `GenerationMailbox`): it waits at the generation's barrier, connects its groups (the
+prepared model's too), restores the latest checkpoint where a restart asks for it, syncs the
+run's state from the member that holds the newest, and binds the prepared model to the new
+groups. `abort_stale_group` runs on the control thread: it frees a train thread blocked in an
+older generation's collectives. The gradient averages of the generation (DDP's comm hook, and
+the replicas' own `average` and `agree`) are the membership's, because they must abort with it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.checkpoint.checkpoint import Checkpoint, CheckpointError
+from elastic.comm.group import (
+    ABORTABLE_FROM_WORLD_SIZE,
+    PEER_ABORT_MARKER,
+    GenerationSpec,
+    GradientAllReduce,
+    StoreClient,
+    abort_communicator,
+    form_group,
+    is_peer_failure,
+    leave_group,
+    rendezvous,
+)
+from elastic.comm.links import GroupLinks
+from elastic.comm.state_sync import SyncResult, load_into, sync_state
+from elastic.data.order import DataCursor
+from elastic.errors import StateLostError, WorkerEvictedError
+from elastic.faults import Fault
+from elastic.parallel.prepared import Generation, PreparedModel
+from elastic.parallel.replicas import ReplicaShape
+from elastic.techniques.strategy import Techniques
+from elastic.worker.injection import FaultInjector
+from elastic.worker.mailbox import GenerationMailbox
+from elastic.worker.probe import HangProbe
+from elastic.worker.random_state import RandomState
+
+
+@dataclass
+class Progress:
+    """Where the run is: the optimizer steps committed and the data cursor, which a sync and a checkpoint carry."""
+
+    seed: int
+    step: int = 0
+    cursor: DataCursor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cursor = DataCursor(seed=self.seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "cursor": self.cursor.to_dict()}
+
+    def restart(self) -> None:
+        self.step, self.cursor = 0, DataCursor(seed=self.seed)
+
+    def load(self, progress: dict[str, Any]) -> None:
+        self.step = progress["step"]
+        self.cursor = DataCursor(**progress["cursor"])
+
+
+class Membership:
+    """This worker's generation: its spec, groups and connections, and how it moves to the next."""
+
+    def __init__(self, mailbox: GenerationMailbox, faults: FaultInjector, techniques: Techniques,
+                 objects: dict[str, Any], random: RandomState, progress: Progress, probe: HangProbe,
+                 device: torch.device, shape: ReplicaShape, model: Callable[[], PreparedModel]) -> None:
+        self.mailbox = mailbox
+        self._faults = faults
+        self._techniques = techniques
+        self._objects = objects
+        self._random = random
+        self._progress = progress
+        self._probe = probe
+        self._device = device
+        self._shape = shape
+        self._model = model
+        self.spec: GenerationSpec | None = None
+        self._store = StoreClient()
+        # The current generation's number, default group and connections (to sever, `abort_stale_group`).
+        self._group: tuple[int, dist.ProcessGroup, GroupLinks] | None = None
+        self._group_lock = threading.Lock()
+        self._gradient_all_reduce: GradientAllReduce | None = None  # the current group's, abortable
+        self._data_group: dist.ProcessGroup | None = None  # the replicas' group of this rank's place; None: the world
+        self._last_sync: SyncResult | None = None
+        self._holds_state = False  # synced in a generation before: holds the run's live state
+        self._rolled_back = 0
+        self.checkpoint: Checkpoint | None = None  # the checkpoint this rank restored at a restart
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank if self.spec else -1
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size if self.spec else 0
+
+    @property
+    def generation(self) -> int:
+        return self.spec.generation if self.spec else -1
+
+    @property
+    def num_replicas(self) -> int:
+        return self.world_size // self._shape.size
+
+    @property
+    def replica_rank(self) -> int:
+        return self._shape.position(self.rank).replica
+
+    @property
+    def links(self) -> tuple[int, GroupLinks] | None:
+        group = self._group
+        return (group[0], group[2]) if group is not None else None
+
+    @property
+    def aborted(self) -> bool:
+        """The current generation's gradient all-reduces were aborted (a peer is gone)."""
+        return self._gradient_all_reduce is not None and self._gradient_all_reduce.aborted is not None
+
+    def store(self) -> dist.TCPStore:
+        return self._store.get(self.spec.store_host, self.spec.store_port)
+
+    def join(self, reason: str, lost: int = 0) -> None:
+        """Leave the current generation and join the newest one the controller offers.
+
+        A generation that is aborted before every member arrived, or that fails to connect,
+        is given up and the next offer waited for; only a user error escapes.
+        """
+        left = time.perf_counter()
+        if reason == "heal":
+            self.leave()
+            self.mailbox.report_broken(self.generation)
+        tried = self.generation
+        while True:
+            spec = self.mailbox.wait_newer(tried)
+            tried = spec.generation
+            try:
+                timings = self._form(spec, left)
+            except WorkerEvictedError:
+                raise
+            except Exception as exc:
+                state_lost = isinstance(exc, StateLostError)
+                self.mailbox.formed(spec.generation, {"ok": False, "state_lost": state_lost,
+                                                      "error": f"{type(exc).__name__}: {exc}"})
+                if not (state_lost or is_peer_failure(exc)):
+                    raise
+                continue  # the controller offers another generation: a restart, if state was lost
+            if timings is None:
+                continue  # aborted: a member died or left before everyone arrived
+            self.mailbox.formed(spec.generation, {
+                "ok": True, "step": self._progress.step, "steps_lost": lost + self._rolled_back, "reason": reason,
+                "source_rank": self._last_sync.source_rank, **timings,
+            })
+            return
+
+    def leave(self) -> None:
+        # Nothing may keep the old group alive: see leave_group.
+        held = self._model().unbind()
+        self._data_group = None
+        with self._group_lock:
+            self._group = None
+        if self._gradient_all_reduce is not None:
+            self._gradient_all_reduce.abort(
+                f"{PEER_ABORT_MARKER}: generation {self._gradient_all_reduce.generation} was left")
+            self._gradient_all_reduce = None
+        leave_group(self.spec.backend if self.spec else "gloo", held)
+
+    def _form(self, spec: GenerationSpec, left: float) -> dict[str, float] | None:
+        """Join `spec`'s generation and sync state; the phases' seconds, or None if it was aborted.
+
+        `left` is when this rank stopped training (its step failed, or it reached the switch).
+        """
+        self.leave()
+        store = self._store.get(spec.store_host, spec.store_port)
+        self.spec = spec
+        self._faults.at("barrier", spec.rank, self._progress.step)
+        self._probe.arrived = spec.generation
+        started = time.perf_counter()
+        if not rendezvous(spec, store):
+            return None
+        arrived = time.perf_counter()
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        model = self._model()
+
+        def connect() -> None:
+            form_group(spec, store)
+            self._data_group = model.connect(spec)
+
+        links = GroupLinks.opened_by(connect)
+        self._probe.connected = spec.generation
+        with self._group_lock:
+            self._group = (spec.generation, dist.group.WORLD, links)
+        abortable = spec.backend == "gloo" and (spec.world_size >= ABORTABLE_FROM_WORLD_SIZE or model.abortable)
+        self._gradient_all_reduce = GradientAllReduce(spec.generation, abortable)
+        hooked = abortable or self._faults.needs_comm_hook or self._techniques.hooks_gradients
+        generation = Generation(spec, self._average, self._agree, (self, _allreduce_hook) if hooked else None)
+        model.bind(generation)
+        connected = time.perf_counter()
+        progress = self._progress
+        if spec.restart:
+            # No member holds live state: rank 0 (each place of replica 0 in a run of replicas)
+            # restores the checkpoint, or everyone starts over from step 0, and the sync below
+            # spreads its state.
+            progress.restart()
+            if spec.resume_from is not None and spec.rank < self._shape.size:
+                self._restore(spec.resume_from, model.part_name)
+        holds_state = self._holds_state and not spec.restart
+        held = self._techniques.before_sync(self._objects, progress.to_dict(), holds_state)
+        self._rolled_back = held.rolled_back
+        # A replica's worker syncs with the same place of the other replicas only.
+        sync, synced = sync_state(self._objects, held.progress, self._device, holds_state, self._data_group)
+        self._last_sync = model.synced(sync, synced["step"], self._random)
+        self._holds_state = True
+        progress.load(synced)
+        self._techniques.after_sync(held, self._objects, synced, holds_state,
+                                    spec.resume_from if spec.restart else None)
+        self._probe.hooked = model.start(generation)
+        self._probe.formed()
+        done = time.perf_counter()
+        return {"leave_s": started - left, "barrier_s": arrived - started, "connect_s": connected - arrived,
+                "sync_s": done - connected}
+
+    def _restore(self, checkpoint: Checkpoint, part: str) -> None:
+        """Load a durable checkpoint into this rank; the sync then spreads it to the others."""
+        state = checkpoint.load_state(part)
+        # Checkpoints written before the RNG states were synced resume with this rank's streams.
+        missing = sorted(set(self._objects) - set(state) - {"progress", "rng"})
+        if missing:
+            raise CheckpointError(
+                f"{checkpoint.path} holds no state for {missing} (it has {sorted(set(state) - {'progress'})}); "
+                "register the same state as the run that wrote it, or use a new run name"
+            )
+        for name, obj in self._objects.items():
+            if name not in state:
+                continue
+            try:
+                load_into(obj, state[name])
+            except (RuntimeError, ValueError, KeyError) as exc:
+                raise CheckpointError(
+                    f"{checkpoint.path} does not fit the registered {name!r}: {exc}. Resume with the same "
+                    "model and optimizer definition, or use a new run name"
+                ) from exc
+        self._progress.load(state["progress"])
+        self.checkpoint = checkpoint
+
+    def abort_stale_group(self, newer_generation: int) -> None:
+        """Abort the collectives of a generation older than `newer_generation`, from the control
+        thread: the train thread may wait in one of them for a peer that died or was cut off. On
+        NCCL that is the communicator of the group captured when it formed, so the one replacing
+        it is never hit; on gloo, the generation's gradient all-reduces (`GradientAllReduce`) and
+        its connections (`GroupLinks.sever`), which fails any gloo call still waiting on a peer
+        that sends nothing."""
+        with self._group_lock:
+            stale = self._group if self._group and self._group[0] < newer_generation else None
+        collectives = self._gradient_all_reduce
+        if collectives is not None and collectives.generation < newer_generation:
+            collectives.abort(f"{PEER_ABORT_MARKER}: the controller offered generation {newer_generation} "
+                              f"in place of {collectives.generation}, which lost a member")
+        if stale is not None:
+            _, group, links = stale
+            abort_communicator(group)
+            if self.spec is not None and self.spec.backend == "gloo":
+                links.sever()
+
+    def _average(self, flat: torch.Tensor) -> None:
+        """Sum a flat gradient buffer across the replicas, abortable like DDP's all-reduce."""
+        self._faults.at("allreduce", self.rank, self._progress.step)
+        future = self._gradient_all_reduce.all_reduce(flat, self._data_group)
+        self._probe.launched += 1
+        future.wait()
+
+    def _agree(self) -> None:
+        """Return once every rank of the generation averaged its gradients (see `GradientAllReduce.agree`)."""
+        self._gradient_all_reduce.agree(self.store(), self._progress.step, self.spec.world_size)
+
+    def claim(self, fault: Fault, on_fault: Callable[[Fault], None]) -> bool:
+        """Claim `fault` for this rank; True once per run, for the first rank to meet it (told `on_fault`)."""
+        if self.store().add(f"fault/{fault.spec()}", 1) != 1:
+            return False
+        on_fault(fault)
+        return True
+
+
+def _allreduce_hook(membership, bucket):
+    """DDP's all-reduce, abortable on gloo (`GradientAllReduce`), compressed by the run's
+    `GradientCompression` or `PowerSGD`, with the faults that act inside it, counting the
+    buckets launched.
+
+    Installed where the all-reduce must be abortable or compressed, and wherever such faults
+    exist.
+    Unannotated on purpose: DDP rejects a hook whose annotations are strings, which
+    `from __future__ import annotations` would make them.
+    """
+    membership._faults.at("allreduce", membership.rank, membership._progress.step)
+    future = membership._techniques.codec.all_reduce(bucket, membership._gradient_all_reduce.all_reduce)
+    membership._probe.launched += 1
+    return future

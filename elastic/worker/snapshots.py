@@ -1,0 +1,146 @@
+"""Checkpoint snapshots: when this worker snapshots the run's state, and what it hands the writer.
+
+At a step boundary the schedule (`CheckpointConfig`: every N steps, the last step, or every so
+many seconds) may call for a checkpoint. Training waits only for the snapshot's copy to the
+CPU; the `CheckpointWriter` uploads it in the background, one checkpoint at a time. A timed
+checkpoint must be taken at the same step by every rank: each boundary all-reduce (`launch_flag`)
+carries whether a rank's timer ran out, and is read at a later boundary (`read_flag`), so the
+ranks agree without ever waiting on the check. `Snapshots` also holds what rank 0 adds to every
+checkpoint: the train loop's files and metadata, and the directory it reported last.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.checkpoint import reported
+from elastic.checkpoint.checkpoint import Checkpoint, CheckpointWriter, take_snapshot
+from elastic.comm.group import is_peer_failure
+from elastic.config import CheckpointConfig
+from elastic.errors import ElasticError
+from elastic.parallel.prepared import PreparedModel
+from elastic.techniques.strategy import Techniques
+from elastic.worker.injection import FaultInjector
+from elastic.worker.membership import Membership, Progress
+from elastic.worker.probe import HangProbe
+
+# Steps between the boundary all-reduces that agree on time-based checkpoints (only runs with
+# CheckpointConfig(every_s) launch them). The step index decides, so every rank checks at the
+# same boundaries; rarer checks cost less step time.
+AGREEMENT_EVERY_STEPS = 8
+
+
+class Snapshots:
+    """This worker's checkpoint schedule, the pending timed-checkpoint flag, and the files rank 0 adds."""
+
+    def __init__(self, config: CheckpointConfig, writer: CheckpointWriter | None, techniques: Techniques,
+                 objects: dict[str, Any], progress: Progress, faults: FaultInjector, probe: HangProbe,
+                 membership: Membership, model: Callable[[], PreparedModel], device: torch.device,
+                 latest_checkpoint: Callable[[], Checkpoint | None]) -> None:
+        if config.enabled and writer is None:
+            raise ElasticError("a checkpoint schedule needs a CheckpointWriter")
+        self.config = config
+        self._writer = writer
+        self._techniques = techniques
+        self._objects = objects
+        self._progress = progress
+        self._faults = faults
+        self._probe = probe
+        self._membership = membership
+        self._model = model
+        self._device = device
+        self._latest_checkpoint = latest_checkpoint  # asks the controller
+        self._files: dict[str, bytes] = {}
+        self._metadata: dict[str, Any] = {}
+        # The latest directory rank 0 reported, which rank 0 writes into every checkpoint; None
+        # until this worker reported one or, as rank 0, took the latest checkpoint's.
+        self._reported_files: dict[str, bytes] | None = None
+        self._last_checkpoint = time.monotonic()
+        self._flag: tuple[dist.Work, torch.Tensor] | None = None
+
+    def add_file(self, name: str, data: bytes) -> None:
+        if not name or "/" in name or name.startswith("."):
+            raise ElasticError(f"checkpoint file name {name!r} must be a plain file name")
+        self._files[name] = bytes(data)
+
+    def set_metadata(self, **metadata: Any) -> None:
+        self._metadata.update(metadata)
+
+    def report(self, checkpoint: Any, rank: int) -> None:
+        """Keep the directory `checkpoint` names for every checkpoint from now on (rank 0's)."""
+        self._reported_files = reported.files_to_store(checkpoint, rank, self.config)
+
+    def after_step(self, max_steps: int) -> None:
+        """At the boundary after a committed step: checkpoint where the schedule says, or start the timed check."""
+        step, every = self._progress.step, self.config.every_steps
+        if step == max_steps and self.config.enabled:
+            self.take()
+        elif every and step % every == 0:
+            self.take()
+        timed = self.config.every_s is not None
+        if timed and step < max_steps and step % AGREEMENT_EVERY_STEPS == 0:
+            self._launch_flag()
+
+    def _launch_flag(self) -> None:
+        """Start the all-reduce that makes every rank agree whether a timed checkpoint is due.
+
+        Each rank contributes whether its checkpoint timer ran out; the MAX is read at the next
+        boundary, so all ranks snapshot the same step while training never waits for the check.
+        """
+        timer_due = time.monotonic() - self._last_checkpoint >= self.config.every_s
+        flag = torch.tensor([int(timer_due)], dtype=torch.int64, device=self._device)
+        self._flag = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+
+    def drop_flag(self) -> None:
+        """Forget the pending check: a heal leaves its group, which nothing may keep alive."""
+        self._flag = None
+
+    def read_flag(self, heal: Callable[[], None]) -> bool:
+        """Whether the ranks agreed on a checkpoint at this boundary; `heal` if a peer died in the check."""
+        if self._flag is None:
+            return False
+        work, flag = self._flag
+        self._flag = None
+        try:
+            work.wait()
+        except Exception as exc:
+            if not is_peer_failure(exc):
+                raise
+            heal()
+            return False
+        return bool(flag.item())
+
+    def take(self) -> None:
+        """Snapshot to CPU (training waits only for this copy) and write the shard in the background."""
+        started = time.perf_counter()
+        kept = self._techniques.checkpoint_state(self._objects, self._progress.to_dict())
+        if kept is None:
+            return  # local SGD has not synced since the last checkpoint: nothing new to keep
+        snapshot = take_snapshot(*kept)
+        membership = self._membership
+        rank = membership.rank
+        if rank == 0 and self._reported_files is None:
+            # A new rank 0 (after a heal or a restart) carries the directory the old one reported.
+            latest = self._latest_checkpoint()
+            self._reported_files = latest.read_reported() if latest is not None else {}
+        optimizer_shard = self._techniques.optimizer_shard()
+        crash = self._faults.crash_checkpoint(rank, self._progress.step)
+        self.wait_for_writer()  # one upload at a time: back-pressure, reported as progress
+        self._writer.submit(snapshot, rank, membership.world_size, time.perf_counter() - started,
+                            self._files, self._metadata, crash_midway=crash,
+                            optimizer_shard=optimizer_shard, reported_files=self._reported_files,
+                            generation=membership.generation,
+                            part=self._model().checkpoint_part(membership.replica_rank, membership.num_replicas))
+        self._last_checkpoint = time.monotonic()
+
+    def wait_for_writer(self) -> None:
+        """Wait for the previous checkpoint's upload; the hang check counts this as progress."""
+        if self._writer is None:
+            return
+        with self._probe.waiting_on_checkpoint():
+            self._writer.wait()

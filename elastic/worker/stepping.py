@@ -1,0 +1,73 @@
+"""How a step ends: committed when the prepared optimizer steps, or rolled back to be redone.
+
+A step commits when the optimizer's `step()` returns (its post hook): the run's step count
+grows and the data cursor moves only then. When the `with step:` block ends, `Stepping.end`
+reports the step's timings, or, if a peer's failure ended it, keeps the failure's message and
+rolls back what the half-done step changed (its gradients, the techniques' per-step state, the
+random streams), so that the step is redone in the healed generation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elastic.comm.group import is_peer_failure
+from elastic.techniques.strategy import Techniques
+from elastic.worker.batching import MicroBatching
+from elastic.worker.injection import FaultInjector
+from elastic.worker.membership import Membership, Progress
+from elastic.worker.random_state import RandomState
+from elastic.worker.step import Step
+
+
+class Stepping:
+    """The step being run, and what commits or rolls it back."""
+
+    def __init__(self, progress: Progress, techniques: Techniques, random: RandomState, faults: FaultInjector,
+                 membership: Membership, batching: MicroBatching,
+                 report_sink: Callable[[dict[str, Any]], None]) -> None:
+        self._progress = progress
+        self._techniques = techniques
+        self._random = random
+        self._faults = faults
+        self._membership = membership
+        self._batching = batching
+        self._report_sink = report_sink
+        self.current: Step | None = None  # the step the train loop holds
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.compute_s = 0.0  # the last step's own compute, for the faults that slow a rank
+
+    def commit(self) -> None:
+        step = self.current
+        if step is None or step.committed:
+            return
+        step.committed = True
+        self._techniques.committed()
+        self._progress.step += 1
+        self._progress.cursor = self._batching.loader.advance(self._progress.cursor)
+
+    def end(self, step: Step, exc: BaseException | None) -> bool:
+        """The `with step:` block ended; True to swallow `exc`, a peer's failure the next join heals."""
+        if exc is None:
+            self.commit()
+            if step.compute_s is not None:
+                self.compute_s = step.compute_s - self._faults.slow_extra_s
+            self._report_sink({"kind": "step", "step": step.index, "rank": step.rank, "world_size": step.world_size,
+                               "generation": self._membership.generation,
+                               "step_s": time.perf_counter() - step.started, "compute_s": step.compute_s,
+                               "samples": step.samples, "time": time.time()})
+            return False
+        if self._membership.aborted or is_peer_failure(exc):
+            # Keep the message, not the exception: its traceback would keep the old DDP alive.
+            step.failed = f"{type(exc).__name__}: {exc}"
+            if not step.committed and self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            if not step.committed:
+                self._techniques.failed()
+                self._random.rewind()
+            return True
+        return False
