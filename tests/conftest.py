@@ -66,7 +66,9 @@ def pytest_unconfigure(config):
     crash, native threads running into static destruction
     (https://github.com/ray-project/ray/pull/18899, https://github.com/ray-project/ray/issues/37596)."""
     status = config.stash.get(_EXIT_STATUS, None)
-    if status is None:
+    if status is None or hasattr(config, "workerinput"):
+        # A pytest-xdist worker hands its results to the controlling process over a channel
+        # that this exit could cut before it is flushed; the controller exits here instead.
         return
     sys.stdout.flush()
     sys.stderr.flush()

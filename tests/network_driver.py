@@ -4,8 +4,8 @@ the scenario they and benchmarks/partition.py share.
     python tests/network_driver.py <run.json>
 
 `run.json` names the run (name, storage_path), its sizes (workers: [min, max]), the train
-loop's config (`workloads.regression_loop`: max_steps, compute_s, sleep_s, gate, step_log) and
-the FailureConfig's fields; the driver fits it and saves the result (step, params, ledger) to
+loop's config (`workloads.regression_loop`: max_steps, compute_s, sleep_s, gate, step_log), and
+the FailureConfig's and the Strategy's fields; the driver fits it and saves the result (step, params, ledger) to
 `out` with torch.save.
 """
 
@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import workloads  # noqa: E402
-from elastic import CheckpointConfig, DataConfig, ElasticTrainer, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+from elastic import (CheckpointConfig, DataConfig, ElasticTrainer, FailureConfig, RunConfig, ScalingConfig,  # noqa: E402
+                     Strategy)
 from elastic.checkpoint.storage import RunStorage  # noqa: E402
 from elastic.journal.events import read_events  # noqa: E402
 
@@ -67,12 +68,13 @@ class Cut:
 
 def spawn(cluster, folder: Path, name: str, workers: tuple[int, int], pace: Pace, gate: Path | None = None,
           step_log: Path | None = None, failure: dict | None = None, hold: tuple[int, Path] | None = None,
-          checkpoint_every: int | None = None):
+          checkpoint_every: int | None = None, strategy: dict | None = None, loop_config: dict | None = None):
     """Start a driver on the cluster's head for a run of `regression_loop` (with `failure` as its
     FailureConfig's fields, held after step `hold[0]` until the file `hold[1]` exists, a checkpoint
-    every `checkpoint_every` steps); its Popen."""
+    every `checkpoint_every` steps, `strategy` as its Strategy's fields, `loop_config` added to the
+    loop's config); its Popen."""
     loop = {"max_steps": pace.max_steps, "compute_s": pace.compute_s, "sleep_s": 0.0, "hidden": pace.hidden,
-            "lr": pace.lr}
+            "lr": pace.lr, **(loop_config or {})}
     if gate:
         loop["gate"] = (CUT_AT_STEP, str(gate))
     if step_log:
@@ -80,7 +82,8 @@ def spawn(cluster, folder: Path, name: str, workers: tuple[int, int], pace: Pace
     if hold:
         loop["gates"] = [(hold[0], str(hold[1]))]
     run = {"name": name, "storage_path": str(folder), "workers": list(workers), "loop": loop,
-           "out": str(folder / f"{name}.pt"), "failure": failure or {}, "checkpoint_every": checkpoint_every}
+           "out": str(folder / f"{name}.pt"), "failure": failure or {}, "checkpoint_every": checkpoint_every,
+           "strategy": strategy or {}}
     path = folder / f"{name}.json"
     path.write_text(json.dumps(run))
     log = open(folder / f"{name}.log", "w")
@@ -116,12 +119,13 @@ def node_of(event: dict, cluster) -> int:
 
 
 def start_full(cluster, folder: Path, name: str, pace: Pace, step_log: Path | None = None, workers: int = 3,
-               failure: dict | None = None, hold: tuple[int, Path] | None = None, checkpoint_every: int | None = None):
+               failure: dict | None = None, hold: tuple[int, Path] | None = None, checkpoint_every: int | None = None,
+               strategy: dict | None = None, loop_config: dict | None = None):
     """A run of `workers` workers (min one fewer) once its first generation of all of them formed:
     (driver, that generation, the node of its last rank)."""
     gate = folder / f"{name}-every-worker-started"
     driver = spawn(cluster, folder, name, (workers - 1, workers), pace, gate=gate, step_log=step_log, failure=failure,
-                   hold=hold, checkpoint_every=checkpoint_every)
+                   hold=hold, checkpoint_every=checkpoint_every, strategy=strategy, loop_config=loop_config)
     wait_for(folder, name, lambda found: len([e for e in found if e["type"] == "worker_started"]) >= workers, driver)
     gate.touch()
     first = wait_for(folder, name, lambda found: [e for e in found if e["type"] == "generation_formed"
@@ -160,6 +164,7 @@ def main(path: str) -> None:
         ),
         data_config=DataConfig(global_batch_size=workloads.GLOBAL_BATCH, micro_batch_size=16,
                                max_steps=config["max_steps"], seed=DATA_SEED),
+        strategy=Strategy(**run.get("strategy", {})),
         show_progress=False,
     ).fit()
     torch.save({"step": fitted.step, "params": fitted.value["params"], "ledger": fitted.value["ledger"]}, run["out"])

@@ -160,9 +160,9 @@ def run_cell(name, cell, pace, reference, tmp_path):
 # checkpoint-crash faults; every worker: test_resume's restart from storage; the controller during
 # a formation: test_resume kills the controller mid-run; rank 0: test_chaos puts every fault on
 # rank 0; an outside SIGKILL mid-step: the two SIGKILLs within 100 ms, and the slow newcomer
-# cell's); `-m soak` runs them too.
+# cell's); a newcomer killed right after it joined: the slow-step cell; `-m soak` runs them too.
 FAST_IN_SOAK_ONLY = ("step-start", "mid-allreduce", "grow-before-newcomer-joined", "checkpoint-write", "every-worker",
-                     "controller-during-formation", "rank-0", "mid-step-sigkill")
+                     "controller-during-formation", "rank-0", "mid-step-sigkill", "newcomer-right-after-it-joined")
 FAST_CELLS = [pytest.param(name, marks=pytest.mark.soak) if name in FAST_IN_SOAK_ONLY else name for name in CELLS]
 
 
