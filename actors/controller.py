@@ -238,12 +238,13 @@ class Controller:
         members = formation.members
         nodes = {w: self.protocol.workers[w].node for w in members}
         node_order = list(dict.fromkeys(nodes.values()))
+        placement = tuple(node_order.index(nodes[w]) for w in members)  # each rank's node_rank
         for rank, worker_id in enumerate(members):
             same_node = [w for w in members if nodes[w] == nodes[worker_id]]
             self.handles[worker_id].offer.remote(GenerationSpec(
                 generation=formation.generation, rank=rank, world_size=len(members),
                 local_rank=same_node.index(worker_id), local_world_size=len(same_node),
-                node_rank=node_order.index(nodes[worker_id]), store_host=self.store_host, store_port=self.store.port,
+                node_rank=placement[rank], nodes=placement, store_host=self.store_host, store_port=self.store.port,
                 backend=self.spec.scaling.backend, reason=formation.reason.value,
                 collective_timeout_s=self.spec.run.failure_config.collective_timeout_s,
                 switch_step=formation.switch_step, restart=restart,

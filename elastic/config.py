@@ -331,6 +331,12 @@ class Strategy(_Frozen):
         "'powersgd:rank=R[,start_iter=N]': send rank-R factors of each gradient matrix, with error feedback, "
         "after N plain steps (default 10)."
     )
+    all_reduce: Literal["hierarchical", "flat"] = Field(
+        "hierarchical", description="How DDP's gradient all-reduce runs on gloo. 'hierarchical': where a "
+        "generation's ranks span two nodes or more and a node holds two or more, each node sums its ranks' "
+        "gradients first, one rank per node all-reduces across the nodes and sends the sum back within its node, "
+        "so each gradient leaves a node once; elsewhere as 'flat'. 'flat': gloo's ring over every rank."
+    )
     zero: Literal[0, 1, 2, 3] = Field(
         0, description="ZeRO stage. 1: the optimizer state sharded across ranks. 2: the gradients too, and 3: the "
         "parameters too, both on FSDP2. Each shard is also kept by the next rank and resharded point to point at "

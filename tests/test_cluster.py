@@ -1,4 +1,5 @@
-"""Node loss and node addition on a simulated multi-node cluster (ray.cluster_utils.Cluster).
+"""Node loss and node addition on a simulated multi-node cluster (ray.cluster_utils.Cluster), and
+the all-reduce that sums within each node first on it.
 
 The head node hosts only the driver and the controller (0 CPUs); two worker nodes host two
 workers each. Removing one of them takes half the workers away at once.
@@ -6,15 +7,19 @@ workers each. Removing one of them takes half the workers away at once.
 
 import threading
 import time
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import ray
+import torch
 from ray.cluster_utils import Cluster
 
-from elastic import DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
+from elastic import DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig, Strategy
 from elastic.checkpoint.storage import RunStorage
 from elastic.journal.events import read_events
-from workloads import GLOBAL_BATCH, NUM_SAMPLES, STEPS_PER_EPOCH, pipeline_loop, regression_loop, workers_started
+from workloads import (GLOBAL_BATCH, NUM_SAMPLES, STEPS_PER_EPOCH, OutsideKiller, fit_held, pipeline_loop,
+                       regression_loop, regression_reference, workers_started)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster]
 
@@ -94,6 +99,55 @@ def test_training_continues_on_the_rest_when_a_node_with_half_the_workers_is_rem
     assert all(r["steps_lost"] <= 1 for r in result.events_of("recovery"))
     dead = {e["worker_id"] for e in result.events_of("worker_failed")}
     assert dead == {m["worker_id"] for m in full["members"] if m["node"] == node_b.node_id}
+
+HIERARCHICAL_STEPS = 6 * STEPS_PER_EPOCH
+
+
+def _all_reduce_run(all_reduce: str, folder, name: str):
+    """A run on the cluster's 2 nodes of 2 CPUs with `all_reduce`: 4 workers (2 + 2), rank 2 SIGKILLed
+    from outside mid-step (a heal to 2 + 1), and its replacement grown back in. Held at step 0 until
+    all 4 started, and at step 20 until the replacement did."""
+    killer = OutsideKiller("mid-step", str(folder), name, SimpleNamespace(compute_s=0.02), seed=0, victim=2,
+                           world_size=4, from_step=8)
+    killer.start()
+    trainer = ElasticTrainer(
+        regression_loop,
+        train_loop_config={"max_steps": HIERARCHICAL_STEPS, "compute_s": 0.02, "sleep_s": 0.005,
+                           "gates": [(0, str(folder / "started")), (20, str(folder / "replaced"))]},
+        # At 3 or 4 workers on 2 nodes of 2 CPUs a node always holds 2: every generation is hierarchical.
+        scaling_config=ScalingConfig(min_workers=3, max_workers=4),
+        run_config=RunConfig(name=name, storage_path=str(folder)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=HIERARCHICAL_STEPS),
+        strategy=Strategy(all_reduce=all_reduce),
+        show_progress=False,
+    )
+    result = fit_held(trainer, workers_started(4), workers_started(5))
+    assert killer.done.wait(5) and killer.killed, "the outside kill never happened"
+    assert result.step == HIERARCHICAL_STEPS
+    per_node = [sorted(Counter(m["node"] for m in e["members"]).values()) for e in result.events_of("generation_formed")]
+    assert [1, 2] in per_node and per_node[-1] == [2, 2], f"{all_reduce}: not 2 + 2, 2 + 1, 2 + 2: {per_node}"
+    return result
+
+
+def test_the_hierarchical_all_reduce_sums_every_step_through_a_heal_from_2_plus_2_to_2_plus_1_to_the_plain_math(
+    cluster, tmp_path
+):
+    result = _all_reduce_run("hierarchical", tmp_path, "all-reduce-hierarchical")
+    # Rank 0 trained every step; its model's gradients are one DDP bucket, one all-reduce a step.
+    assert result.value["hierarchical_all_reduces"] >= HIERARCHICAL_STEPS
+    reference = regression_reference(HIERARCHICAL_STEPS, seed=0)
+    for key, tensor in reference["params"].items():
+        assert torch.allclose(result.value["params"][key], tensor, rtol=0, atol=1e-9), key
+
+
+@pytest.mark.soak  # the suite's time on 2 cores: the hierarchical run above holds to the same math
+def test_the_flat_all_reduce_on_the_same_placement_sums_no_step_within_the_nodes_and_ends_equal(cluster, tmp_path):
+    result = _all_reduce_run("flat", tmp_path, "all-reduce-flat")
+    assert result.value["hierarchical_all_reduces"] == 0
+    reference = regression_reference(HIERARCHICAL_STEPS, seed=0)
+    for key, tensor in reference["params"].items():
+        assert torch.allclose(result.value["params"][key], tensor, rtol=0, atol=1e-9), key
+
 
 def test_a_replica_is_one_placement_group_on_one_node_and_a_node_loss_takes_out_only_the_replica_on_it(
     cluster, tmp_path

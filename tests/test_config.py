@@ -334,6 +334,12 @@ def test_zero_with_a_technique_it_does_not_combine_with_is_rejected_saying_why()
     assert Strategy(zero=1, precision="fp16").zero == 1
 
 
+def test_an_all_reduce_other_than_hierarchical_or_flat_is_rejected_naming_both():
+    with pytest.raises(ValidationError, match=r"all_reduce\n  Input should be 'hierarchical' or 'flat'"):
+        Strategy(all_reduce="ring")
+    assert Strategy().all_reduce == "hierarchical"
+
+
 @pytest.mark.parametrize("strategy, named", [(Strategy(zero=3), "zero=3"),
                                              (Strategy(sync="diloco:every=8"), "sync='diloco:every=8'")])
 def test_faults_inside_the_gradient_all_reduce_are_refused_where_no_ddp_runs(tmp_path, strategy, named):

@@ -141,6 +141,7 @@ def regression_loop(config: dict) -> dict:
         "final_loss": final_loss,
         "comm_bytes": ctx.communication["sync_bytes"],
         "outer_syncs": ctx.communication["outer_syncs"],
+        "hierarchical_all_reduces": ctx.communication["hierarchical_all_reduces"],
         "collectives_checked": sorted(collectives_checked),
         "skipped": skipped,
         "synced_at": synced_at,

@@ -19,9 +19,11 @@ all-reduces abortable from another thread, which gloo itself cannot do.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -90,6 +92,8 @@ class GenerationSpec:
     # checkpoint (None: the run restarts from step 0).
     restart: bool = False
     resume_from: Any = None
+    # The node of every rank (each rank's node_rank); () where unknown: the flat all-reduce.
+    nodes: tuple[int, ...] = ()
 
     @property
     def prefix(self) -> str:
@@ -199,30 +203,37 @@ class GradientAllReduce:
     gloo operations themselves go on until their peers close their sockets (see
     `leave_group`). NCCL has its own abort (`abort_communicator`), and gloo groups under
     ABORTABLE_FROM_WORLD_SIZE need none: there this passes calls on.
+
+    `world` sums across the generation's default group: gloo's flat ring unless the generation
+    reduces within its nodes first (`elastic.comm.hierarchical`).
     """
 
-    def __init__(self, generation: int, abortable: bool) -> None:
+    def __init__(self, generation: int, abortable: bool,
+                 world: Callable[[torch.Tensor], torch.futures.Future] | None = None) -> None:
         self.generation = generation
         self.abortable = abortable
         self.aborted: str | None = None  # the reason, once aborted
+        self._world = world or flat_all_reduce
         self._lock = threading.Lock()
         self._pending: set[torch.futures.Future] = set()
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.futures.Future:
-        """Sum `tensor` across `group` (the generation's default group if None) in place: a future of
-        it, failed if the generation is aborted. Nothing here keeps `group` alive: a callback that
-        dropped its last reference would run its destructor on gloo's own thread, which joins itself."""
+        """Sum `tensor` across `group` (the generation's default group, through `world`, if None) in
+        place: a future of it, failed if the generation is aborted. Nothing here keeps `group` alive: a
+        callback that dropped its last reference would run its destructor on gloo's own thread, which
+        joins itself."""
+        reduce = self._world if group is None else functools.partial(flat_all_reduce, group=group)
         if not self.abortable:
-            return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda done: done.value()[0])
+            return reduce(tensor)
         result: torch.futures.Future = torch.futures.Future()
         with self._lock:
-            work = None if self.aborted else dist.all_reduce(tensor, group=group, async_op=True)
-            if work is not None:
+            started = None if self.aborted else reduce(tensor)
+            if started is not None:
                 self._pending.add(result)
-        if work is None:
+        if started is None:
             result.set_exception(RuntimeError(self.aborted))
         else:
-            work.get_future().add_done_callback(lambda done: self._settle(result, done))
+            started.add_done_callback(lambda done: self._settle(result, done))
         return result
 
     def agree(self, store: dist.Store, step: int, world_size: int) -> None:
@@ -269,11 +280,16 @@ class GradientAllReduce:
                 return  # aborted: already failed
             self._pending.discard(result)
         try:
-            value = done.value()[0]
+            value = done.value()
         except Exception as exc:
             result.set_exception(exc)
             return
         result.set_result(value)
+
+
+def flat_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.futures.Future:
+    """Sum `tensor` across `group` (the default group if None) in place, in one collective: a future of it."""
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda done: done.value()[0])
 
 
 def abort_communicator(group: dist.ProcessGroup) -> None:

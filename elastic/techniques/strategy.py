@@ -103,6 +103,13 @@ class Techniques:
         """DDP's gradient all-reduce must go through `codec`."""
         return self.strategy.compression != "none"
 
+    @property
+    def reduces_within_nodes(self) -> bool:
+        """DDP's gradient all-reduce may sum within each node first (`Strategy(all_reduce)`); local SGD
+        and ZeRO-2/3 have no DDP."""
+        strategy = self.strategy
+        return strategy.all_reduce == "hierarchical" and strategy.sync_options["kind"] == "ddp" and strategy.zero < 2
+
     # --- a step -------------------------------------------------------------------------
     def committed(self) -> None:
         if isinstance(self.codec, PowerSGD):

@@ -226,8 +226,9 @@ class TrainContext:
     @property
     def communication(self) -> dict[str, int]:
         """What this rank sent to keep the replicas in step so far: `sync_bytes` handed to DDP's
-        gradient all-reduce (after compression) or to local SGD's syncs, and `outer_syncs`."""
-        return self.techniques.communication()
+        gradient all-reduce (after compression) or to local SGD's syncs, `outer_syncs`, and
+        `hierarchical_all_reduces`, the all-reduces summed within each node first (`Strategy(all_reduce)`)."""
+        return {**self.techniques.communication(), "hierarchical_all_reduces": self.membership.hierarchical_all_reduces}
 
     def synced_state(self) -> dict[str, Any]:
         """The state of everything a heal or a grow syncs (model, optimizer, registered state,

@@ -6,7 +6,9 @@ prepared model's too), restores the latest checkpoint where a restart asks for i
 run's state from the member that holds the newest, and binds the prepared model to the new
 groups. `abort_stale_group` runs on the control thread: it frees a train thread blocked in an
 older generation's collectives. The gradient averages of the generation (DDP's comm hook, and
-the replicas' own `average` and `agree`) are the membership's, because they must abort with it.
+the replicas' own `average` and `agree`) are the membership's, because they must abort with it;
+so are the subgroups of DDP's all-reduce where it sums within each node first
+(`elastic.comm.hierarchical`), formed and let go of with the world group.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from elastic.comm.group import (
     leave_group,
     rendezvous,
 )
+from elastic.comm.hierarchical import HierarchicalAllReduce, fits
 from elastic.comm.links import GroupLinks
 from elastic.comm.state_sync import SyncResult, load_into, sync_state
 from elastic.data.order import DataCursor
@@ -91,6 +94,9 @@ class Membership:
         self._group: tuple[int, dist.ProcessGroup, GroupLinks] | None = None
         self._group_lock = threading.Lock()
         self._gradient_all_reduce: GradientAllReduce | None = None  # the current group's, abortable
+        # The current generation's sum within its nodes first, where its placement fits (None: flat).
+        self._hierarchy: HierarchicalAllReduce | None = None
+        self._hierarchical_calls = 0  # all-reduces the hierarchies of the generations left summed
         self._data_group: dist.ProcessGroup | None = None  # the replicas' group of this rank's place; None: the world
         self._last_sync: SyncResult | None = None
         self._holds_state = False  # synced in a generation before: holds the run's live state
@@ -121,6 +127,11 @@ class Membership:
     def links(self) -> tuple[int, GroupLinks] | None:
         group = self._group
         return (group[0], group[2]) if group is not None else None
+
+    @property
+    def hierarchical_all_reduces(self) -> int:
+        """The all-reduces of the run so far that summed within the nodes first."""
+        return self._hierarchical_calls + (self._hierarchy.calls if self._hierarchy is not None else 0)
 
     @property
     def aborted(self) -> bool:
@@ -173,6 +184,10 @@ class Membership:
             self._gradient_all_reduce.abort(
                 f"{PEER_ABORT_MARKER}: generation {self._gradient_all_reduce.generation} was left")
             self._gradient_all_reduce = None
+        if self._hierarchy is not None:
+            held += self._hierarchy.release()
+            self._hierarchical_calls += self._hierarchy.calls
+            self._hierarchy = None
         leave_group(self.spec.backend if self.spec else "gloo", held)
 
     def _form(self, spec: GenerationSpec, left: float) -> dict[str, float] | None:
@@ -196,13 +211,19 @@ class Membership:
         def connect() -> None:
             form_group(spec, store)
             self._data_group = model.connect(spec)
+            if self._data_group is None and self._techniques.reduces_within_nodes and fits(spec):
+                self._hierarchy = HierarchicalAllReduce(spec)
 
         links = GroupLinks.opened_by(connect)
         self._probe.connected = spec.generation
         with self._group_lock:
             self._group = (spec.generation, dist.group.WORLD, links)
-        abortable = spec.backend == "gloo" and (spec.world_size >= ABORTABLE_FROM_WORLD_SIZE or model.abortable)
-        self._gradient_all_reduce = GradientAllReduce(spec.generation, abortable)
+        # Under the hierarchy a rank learns of a death on another node only through its node's leader.
+        hierarchy = self._hierarchy
+        abortable = spec.backend == "gloo" and (spec.world_size >= ABORTABLE_FROM_WORLD_SIZE or model.abortable
+                                                or hierarchy is not None)
+        self._gradient_all_reduce = GradientAllReduce(spec.generation, abortable,
+                                                      hierarchy.all_reduce if hierarchy is not None else None)
         hooked = abortable or self._faults.needs_comm_hook or self._techniques.hooks_gradients
         generation = Generation(spec, self._average, self._agree, (self, _allreduce_hook) if hooked else None)
         model.bind(generation)
@@ -293,12 +314,13 @@ class Membership:
 
 
 def _allreduce_hook(membership, bucket):
-    """DDP's all-reduce, abortable on gloo (`GradientAllReduce`), compressed by the run's
+    """DDP's all-reduce, abortable on gloo (`GradientAllReduce`), summed within each node first
+    where the generation spans nodes (`HierarchicalAllReduce`), compressed by the run's
     `GradientCompression` or `PowerSGD`, with the faults that act inside it, counting the
     buckets launched.
 
-    Installed where the all-reduce must be abortable or compressed, and wherever such faults
-    exist.
+    Installed where the all-reduce must be abortable (always under the hierarchy) or compressed,
+    and wherever such faults exist.
     Unannotated on purpose: DDP rejects a hook whose annotations are strings, which
     `from __future__ import annotations` would make them.
     """
