@@ -18,7 +18,7 @@ killed but the victims (no survivor restarted), or, where a restart is the docum
 outcome, the first generation after it formed at the checkpoint's step.
 
     pytest tests/test_chaos_matrix.py              # in CI
-    pytest -m soak tests/test_chaos_matrix.py      # plus 8 fast and 4 slow-step cells and a real 3 s-step run
+    pytest -m soak tests/test_chaos_matrix.py      # plus 9 fast and 4 slow-step cells and a real 3 s-step run
 """
 
 from dataclasses import dataclass
