@@ -29,7 +29,7 @@ compute alone is a floor no run of several workers can reach.
 Figures, each with min, median and max over the rounds (under `spread.<key>`):
 
 - network.<rate>.<strategy>.samples_s_ratio_vs_ddp, network.<rate>.<strategy>.floor_fraction
-  (2 worker nodes; `network_<n>nodes.<rate>...` for other counts), with `network_details`
+  (2 worker nodes; `network_<n>nodes.<rate>...` for other counts), with `network_details_<rate>`
   holding every round's samples/s, step time, link and payload bytes per step, compute floor
   and load average;
 - network.hierarchical_vs_flat_ratio: samples/s of the topology-aware all-reduce over the flat
@@ -280,7 +280,7 @@ def throughput(args, figures: dict[str, list[float | None]], details: dict[str, 
                         floor_fraction(outcome, compute_s, RATES[rate]))
                     figures.setdefault(f"{key}.floor_fraction_together", []).append(
                         floor_fraction(outcome, together_s, RATES[rate]))
-                details.setdefault(f"{prefix}_details", []).append(
+                details.setdefault(f"{prefix}_details_{rate}", []).append(
                     {"round": round_index, "rate": rate, "load_average_1m": load, "compute_step_s": compute_s,
                      "compute_together_step_s": together_s, "runs": outcomes})
                 print(f"round {round_index + 1}/{args.rounds} {rate} (load {load:.1f}, compute {compute_s * 1e3:.0f} ms, "
