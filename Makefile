@@ -18,10 +18,8 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/elastic demo $(ARGS)
 
-# Two pytest processes, each taking whole modules (their tests share one Ray): most of a test is
-# process starts and waits, so two of them on 2 cores take about two thirds of one's time.
 test: setup
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(ARGS)
+	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: setup
 	$(BIN)/python -m benchmarks.bench $(ARGS)

@@ -13,9 +13,10 @@ ray.cloudpickle.register_pickle_by_value(workloads)
 
 _EXIT_STATUS = pytest.StashKey[int]()
 
-# The modules that take longest on 2 cores, longest first. `make test` runs two pytest processes
-# that each take whole modules in collection order (pytest-xdist's loadfile); started first, the
-# long ones end together with the short ones instead of leaving one process to run them alone.
+# The modules that take longest on 2 cores, longest first. With two pytest processes that each
+# take whole modules in collection order (`make test ARGS="-n 2 --dist loadfile"`, pytest-xdist),
+# the long ones, started first, end together with the short ones instead of leaving one process
+# to run them alone.
 LONGEST_MODULES = ("test_techniques", "test_cluster", "test_chaos_matrix", "test_pipeline_runs", "test_resume",
                    "test_habits", "test_failures", "test_streaming", "test_job_submit", "test_partitions",
                    "test_zero", "test_chaos")

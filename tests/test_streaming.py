@@ -24,7 +24,11 @@ def _trainer(tmp_path, name, source, workers, faults=(), filesystem=None, prefet
         streaming_loop,
         train_loop_config={"source": source, "filesystem": filesystem, "iterable": iterable, "num_samples": NUM_SAMPLES,
                            "epochs": EPOCHS, "sleep_s": 0.02,
-                           "gate": (12, str(tmp_path / f"{name}-gate"))},
+                           # Held after step 0 until every worker of the start started (a slow one
+                           # joins by step 3, the grow's switch, before any fault), and after step
+                           # 12 until the replacement started, so that it grows back before the end.
+                           "gates": [(0, str(tmp_path / f"{name}-started")),
+                                     (12, str(tmp_path / f"{name}-replaced"))]},
         scaling_config=ScalingConfig(min_workers=workers[0], max_workers=workers[1]),
         run_config=RunConfig(name=name, storage_path=str(tmp_path / "runs")),
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=5, max_steps=MAX_STEPS,
@@ -40,7 +44,14 @@ def reference(local_ray, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("parquet"))
     write_regression_parquet(folder, NUM_SAMPLES, files=3)
     trainer = _trainer(tmp_path_factory.mktemp("reference"), "reference", folder, (3, 3), prefetch_threads=0)
-    return folder, fit_held(trainer, lambda events: True).value
+    return folder, fit_held(trainer, workers_started(3), lambda events: True).value
+
+
+def _check_sizes(result):
+    """3 workers, healed to 2 by the kill, grown back to 3; a start slower than the first
+    formation adds a generation of 2 before them, grown to 3 before the kill."""
+    sizes = [e["world_size"] for e in result.events_of("generation_formed")]
+    assert sizes[-3:] == [3, 2, 3] and sizes[:-3] in ([], [2]), sizes
 
 
 def _check(result, reference):
@@ -59,8 +70,8 @@ def test_a_streamed_parquet_run_heals_and_regrows_exactly(reference, tmp_path):
     # Read ahead by a worker process of each Ray worker, as torch DataLoader's num_workers.
     trainer = _trainer(tmp_path, "local", source, (2, 3), faults=[Fault(kind="kill", rank=1, step=5, where="allreduce")],
                        prefetch_threads=0, prefetch_processes=1)
-    result = fit_held(trainer, workers_started(4))
-    assert [e["world_size"] for e in result.events_of("generation_formed")] == [3, 2, 3]
+    result = fit_held(trainer, workers_started(3), workers_started(4))
+    _check_sizes(result)
     _check(result, expected)
 
 
@@ -73,7 +84,7 @@ def test_a_streamed_parquet_run_on_s3_heals_exactly(reference, tmp_path, s3):
     write_regression_parquet("corpus/regression", NUM_SAMPLES, files=3, filesystem=filesystem)
     trainer = _trainer(tmp_path, "s3", "corpus/regression", (2, 3), filesystem=filesystem,
                        faults=[Fault(kind="kill", rank=2, step=11)])
-    result = fit_held(trainer, workers_started(4))
+    result = fit_held(trainer, workers_started(3), workers_started(4))
     assert result.events_of("recovery"), "the kill was not healed"
     _check(result, expected)
 
@@ -81,7 +92,7 @@ def test_a_streamed_parquet_run_on_s3_heals_exactly(reference, tmp_path, s3):
 def test_an_iterable_dataset_is_consumed_exactly_once_through_a_heal_and_a_grow(local_ray, tmp_path):
     trainer = _trainer(tmp_path, "iterable", None, (2, 3), iterable=True,
                        faults=[Fault(kind="kill", rank=0, step=6, where="allreduce")])
-    result = fit_held(trainer, workers_started(4))
-    assert [e["world_size"] for e in result.events_of("generation_formed")] == [3, 2, 3]
+    result = fit_held(trainer, workers_started(3), workers_started(4))
+    _check_sizes(result)
     # The loop also checked, when each generation formed, that every rank holds the same stream position.
     assert torch.equal(result.value["ledger"], torch.ones(EPOCHS, NUM_SAMPLES, dtype=torch.float64))
