@@ -22,7 +22,8 @@ from elastic.techniques.strategy import Techniques
 # DDP's gradient bucket size on gloo, in MB. Each bucket's all-reduce starts once the backward
 # filled it; on a link slower than compute, torch's 25 MB default holds the first large
 # all-reduce back until most of the backward is done. Measured over a 1 Gbit/s link (2 nodes,
-# 42 MB of gradients, plain torch DDP): 528 ms a step at 25 MB, 483 at 8, 469 at 4, 470 at 1.
+# 42 MB of gradients, plain torch DDP, benchmarks/ddp_probe.py): 535 ms a step at 25 MB, 488 at
+# 8, 492 at 4, 501 at 2.
 # PowerSGD keeps torch's default: each of its buckets waits on three small all-reduces in turn.
 GLOO_BUCKET_CAP_MB = 4
 
