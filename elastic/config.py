@@ -48,6 +48,10 @@ class ScalingConfig(_Frozen):
         "with; sets min_workers to that many workers.")
     max_replicas: int | None = Field(
         None, gt=0, description="Most replicas the run grows to; sets max_workers to that many workers.")
+    start_grace_s: float = Field(
+        10.0, ge=0, description="How long the first generation waits, once one worker is ready, for the other workers "
+        "started with it (torchrun's last call); past it the run starts with those ready, from min_workers, and "
+        "the late ones join by a grow. Ray starts a worker in seconds, more when the machine is busy.")
     use_gpu: bool = Field(False, description="Give each worker one GPU and use NCCL instead of gloo.")
     resources_per_worker: dict[str, float] = Field(
         default_factory=dict,

@@ -8,7 +8,7 @@ protocol one observation at a time and reads as the rule it checks.
 import pytest
 
 from elastic.config import FailureConfig, ScalingConfig
-from elastic.controller.protocol import MAX_FAILED_FORMATIONS, START_GRACE_S, Protocol, Status
+from elastic.controller.protocol import MAX_FAILED_FORMATIONS, Protocol, Status
 from elastic.controller.signals import (
     PREPARE_SLACK_STEPS, Abort, Emit, Exit, FormedReport, GroupBroken, Kill, Offer, PollProgress, Prepare,
     ProgressPolled, ShardWritten, StartWorkers, SwitchPrepared, Tick, WorkerExited, WorkerProgress, WorkerReady,
@@ -73,7 +73,7 @@ class FakeWorkerGroup:
         """Start workers, form the first generation and commit it."""
         self.ready(*worker_ids)
         if not self.offers:
-            self.send(Tick(), after_s=START_GRACE_S + 0.1)
+            self.send(Tick(), after_s=self.protocol.scaling.start_grace_s + 0.1)
         self.form()
 
     # --- what the protocol did ------------------------------------------------------------
@@ -122,7 +122,16 @@ def test_the_first_generation_waits_briefly_for_workers_starting_alongside():
     group = FakeWorkerGroup(min_workers=2, max_workers=3)
     group.ready(0, 1)
     assert not group.offers, "formed before the third worker had its grace period"
-    group.send(Tick(), after_s=START_GRACE_S + 0.1)
+    group.send(Tick(), after_s=group.protocol.scaling.start_grace_s + 0.1)
+    assert group.latest_offer.formation.members == (0, 1)
+
+
+def test_a_start_grace_longer_than_the_capacity_timeout_starts_with_the_ready_workers_instead_of_failing():
+    group = FakeWorkerGroup(min_workers=2, max_workers=3, capacity_timeout_s=1)
+    group.ready(0, 1)
+    group.send(Tick(), after_s=2)
+    assert group.state == "WAITING" and not group.offers, "the grace was cut short or the run failed"
+    group.send(Tick(), after_s=group.protocol.scaling.start_grace_s)
     assert group.latest_offer.formation.members == (0, 1)
 
 
@@ -140,9 +149,9 @@ def test_the_first_generation_restores_the_checkpoint_and_commits_when_every_mem
 
 
 def test_waiting_below_min_workers_fails_after_the_capacity_timeout():
-    group = FakeWorkerGroup(min_workers=2, capacity_timeout_s=5)
+    group = FakeWorkerGroup(min_workers=2, capacity_timeout_s=20)
     group.ready(0)
-    group.send(Tick(), after_s=START_GRACE_S + 0.1)
+    group.send(Tick(), after_s=group.protocol.scaling.start_grace_s + 0.1)
     assert group.state == "WAITING"
     group.send(Tick(), after_s=10)
     assert group.state == "FAILED" and group.protocol.state.kind == "capacity"
@@ -610,7 +619,7 @@ def test_a_death_in_a_replica_still_starting_takes_its_mate_and_asks_for_a_whole
     group.die(3)
     assert group.killed == [2] and group.protocol.workers[2].status == Status.GONE
     assert group.started == [0, 1, 2, 3, 4, 5]
-    group.send(Tick(), after_s=START_GRACE_S + 0.1)
+    group.send(Tick(), after_s=group.protocol.scaling.start_grace_s + 0.1)
     assert group.latest_offer.formation.members == (0, 1)
 
 
@@ -627,7 +636,7 @@ def test_a_newcomer_replica_that_loses_a_worker_during_its_grow_is_aborted_and_t
 def test_a_replica_joins_only_when_all_of_its_workers_are_ready():
     group = replicas()
     group.ready(0, 1, 3)
-    group.send(Tick(), after_s=START_GRACE_S + 0.1)
+    group.send(Tick(), after_s=group.protocol.scaling.start_grace_s + 0.1)
     assert group.latest_offer.formation.members == (0, 1), "a replica missing a worker formed"
     group.form()
     group.ready(2)

@@ -46,6 +46,11 @@ def _fit_held(tmp_path, name, gate_step, until, **fit_args):
     return fit_held(_trainer(tmp_path, name, gate=(gate_step, str(tmp_path / f"{name}-gate")), **fit_args), until)
 
 
+# The run `_grow_to_3_once_formed` holds at 2: with the third worker's CPUs taken, the start's
+# grace (ScalingConfig.start_grace_s) could only wait, so it forms once 2 are ready.
+STARTS_AT_2 = ScalingConfig(min_workers=2, max_workers=3, start_grace_s=0)
+
+
 def _grow_to_3_once_formed():
     """An `until` for `_fit_held` that makes the run start at 2 workers and grow to 3: another
     actor holds the CPUs a third worker needs until the first generation formed."""
@@ -100,8 +105,7 @@ def test_local_sgd_and_diloco_with_one_step_intervals_equal_ddp_through_a_grow(l
     # Another actor holds the CPUs a third worker needs, so the run starts at 2; once it
     # formed, that actor goes and the third worker joins in a planned grow, where averaging
     # the inner momentum over the old ranks stays exact.
-    result = _fit_held(tmp_path, "h1", 4, _grow_to_3_once_formed(),
-                       scaling=ScalingConfig(min_workers=2, max_workers=3),
+    result = _fit_held(tmp_path, "h1", 4, _grow_to_3_once_formed(), scaling=STARTS_AT_2,
                        strategy=Strategy(sync=sync))
     assert [(e["kind"], e["world_size"]) for e in result.events_of("generation_formed")] == [("start", 2), ("grow", 3)]
     assert _max_diff(result.value["params"], ddp_reference["momentum"]["params"]) < 1e-9
@@ -222,8 +226,7 @@ def test_powersgd_through_a_planned_grow_equals_a_fixed_size_run(local_ray, tmp_
     # error buffers equal the others' at the first step of each generation.
     fixed = _fit(tmp_path, "powersgd-2", ScalingConfig(min_workers=2, max_workers=2), POWERSGD)
 
-    grown = _fit_held(tmp_path, "powersgd-grow", 6, _grow_to_3_once_formed(),
-                      scaling=ScalingConfig(min_workers=2, max_workers=3),
+    grown = _fit_held(tmp_path, "powersgd-grow", 6, _grow_to_3_once_formed(), scaling=STARTS_AT_2,
                       strategy=POWERSGD)
     assert [e["world_size"] for e in grown.events_of("generation_formed")] == [2, 3]
     assert _max_diff(grown.value["params"], fixed.value["params"]) < 1e-9
@@ -246,8 +249,7 @@ def test_zero_1_equals_ddp_through_a_grow_and_a_kill_with_the_dead_ranks_shard_f
                                                                                                 ddp_reference):
     # Start at 2 (another actor holds the third CPU's worth), grow to 3 once it goes, then
     # rank 1 dies at step 16: its shard of the AdamW state lives on in rank 2's buddy copy.
-    result = _fit_held(tmp_path, "zero", 4, _grow_to_3_once_formed(),
-                       scaling=ScalingConfig(min_workers=2, max_workers=3),
+    result = _fit_held(tmp_path, "zero", 4, _grow_to_3_once_formed(), scaling=STARTS_AT_2,
                        strategy=ZERO, faults=[Fault(kind="kill", rank=1, step=16)], optimizer="adamw")
     kinds = [(e["kind"], e["world_size"]) for e in result.events_of("generation_formed")]
     assert kinds[:3] == [("start", 2), ("grow", 3), ("heal", 2)], kinds
@@ -260,8 +262,7 @@ def test_zero_1_equals_ddp_through_a_grow_and_a_kill_with_the_dead_ranks_shard_f
 def test_zero_2_and_3_on_fsdp2_equal_ddp_through_a_grow_and_a_kill(local_ray, tmp_path, ddp_reference, stage):
     # As ZeRO-1's test: each generation shards a fresh FSDP2 module over its group, filled with
     # the shards (parameters and AdamW state) moved point to point; rank 1's come from its buddy.
-    result = _fit_held(tmp_path, f"zero{stage}", 4, _grow_to_3_once_formed(),
-                       scaling=ScalingConfig(min_workers=2, max_workers=3),
+    result = _fit_held(tmp_path, f"zero{stage}", 4, _grow_to_3_once_formed(), scaling=STARTS_AT_2,
                        strategy=Strategy(zero=stage), faults=[Fault(kind="kill", rank=1, step=16)], optimizer="adamw")
     kinds = [(e["kind"], e["world_size"]) for e in result.events_of("generation_formed")]
     assert kinds[:3] == [("start", 2), ("grow", 3), ("heal", 2)], kinds

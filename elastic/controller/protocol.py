@@ -36,8 +36,6 @@ from elastic.controller.states import (
 )
 
 MAX_FAILED_FORMATIONS = 5
-# The first generation waits this long after the first worker is ready for the others starting.
-START_GRACE_S = 2.0
 
 
 class Status(enum.Enum):
@@ -238,8 +236,9 @@ class Protocol:
         if obs.straggler is not None and isinstance(state, Running):
             return self._evict_straggler(*obs.straggler, now)
         if isinstance(state, Waiting):
-            if now > state.deadline:
-                live = len(self.members) + len(self._with(Status.IDLE))
+            live = len(self.members) + len(self._with(Status.IDLE))
+            # Enough ready workers only wait out the start's grace, however short the capacity timeout.
+            if now > state.deadline and live < self.scaling.min_workers:
                 scaling = self.scaling
                 if scaling.replica_size > 1:
                     short = (f"only {live} of the {scaling.min_workers} workers that min_replicas("
@@ -335,7 +334,7 @@ class Protocol:
         idle = self._with(Status.IDLE)
         starting = bool(self._with(Status.STARTING))
         if self.running < 0 and not self.members and starting and self.first_ready_at is not None \
-                and now - self.first_ready_at < START_GRACE_S and len(idle) < self.scaling.max_workers:
+                and now - self.first_ready_at < self.scaling.start_grace_s and len(idle) < self.scaling.max_workers:
             return []  # the first generation waits briefly for workers starting alongside
         ready = [w for w in idle if all(self.workers[m].status == Status.IDLE for m in self._replica_of(w))]
         decision = policies.decide_membership(self.members, ready, self.broken or not self.members,
