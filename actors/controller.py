@@ -83,7 +83,7 @@ class Controller:
         )
         self.handles: dict[int, Any] = {}
         self.refused: set[tuple[int, str]] = set()  # (worker, kind) already journaled as fenced
-        self.placement_groups: dict[int, PlacementGroup] = {}  # by replica, with pipeline_stages > 1
+        self.placement_groups: dict[int, PlacementGroup] = {}  # by replica, in a run of replicas
         self.avoided: set[str] = set()
         self.metrics = RunMetrics(spec.run.name)
         self.progress = ProgressTracker(spec.data.global_batch_size, spec.data.max_steps)
@@ -293,7 +293,7 @@ class Controller:
                                     scheduling_strategy=placement).remote(
                 worker_id, me, self.spec.data, self.spec.run.checkpoint_config, self.storage, self.spec.faults,
                 self.spec.scaling.use_gpu, num_cpus, self.spec.strategy,
-                ReplicaShape(self.spec.scaling.pipeline_stages, self.spec.scaling.tensor_parallel), worker_id % size,
+                ReplicaShape.of(self.spec.scaling), worker_id % size,
                 measure_links=config.straggler_factor is not None,
             )
             self.handles[worker_id] = handle
@@ -301,7 +301,7 @@ class Controller:
 
     def _replica_placement(self, worker_id: int, size: int) -> PlacementGroupSchedulingStrategy:
         """A replica's workers share one placement group, packed on as few nodes as fit them, so a
-        node's loss takes out the replicas on it and no others. Bundle i holds the replica's stage i."""
+        node's loss takes out the replicas on it and no others. Bundle i holds the replica's worker i."""
         replica = worker_id // size
         if replica not in self.placement_groups:
             bundle = {k: v for k, v in self.spec.scaling.worker_resources().items() if v}

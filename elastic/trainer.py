@@ -21,7 +21,7 @@ from typing import Any, Callable
 import ray
 import torch
 
-from elastic.checkpoint.checkpoint import Checkpoint, latest_complete, part_names
+from elastic.checkpoint.checkpoint import Checkpoint, latest_complete
 from elastic.checkpoint.storage import RunStorage
 from elastic.config import (DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_replicas_fit,
                             check_strategy_fits)
@@ -29,6 +29,8 @@ from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedErr
 from elastic.faults import Fault, check_faults
 from elastic.journal.display import ProgressDisplay
 from elastic.journal.events import read_events
+from elastic.parallel.parts import check_resume_fits
+from elastic.parallel.replicas import ReplicaShape
 
 STATUS_POLL_S = 0.5
 HEAD_NODE_RESOURCE = "node:__internal_head__"
@@ -52,7 +54,7 @@ class Result:
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole trained model's state dict as of the run's last step, in any layout (DDP,
-        ZeRO-1/2/3, pipelined, tensor-parallel, both): the names and shapes of the model given to
+        ZeRO-1/2/3, replicas of several workers): the names and shapes of the model given to
         `ctx.prepare_model`, on the CPU. With or without a checkpoint schedule."""
         if self.final_model is None:
             raise ElasticError(
@@ -114,7 +116,7 @@ class ElasticTrainer:
         # The controller resumes from resume_from, else from the run's own latest checkpoint.
         resumes = resume_from or latest_complete(storage, lambda step, reason: None)
         if resumes is not None:
-            _check_resume_fits(resumes, self.scaling_config)
+            check_resume_fits(resumes, ReplicaShape.of(self.scaling_config))
         if not ray.is_initialized():
             ray.init(address=self.address)
         self._check_cluster_can_host_min_workers()
@@ -189,19 +191,6 @@ def _check_faults_fire(faults: list[Fault], strategy: Strategy) -> None:
         raise ElasticError(f"faults {inside} act inside DDP's gradient all-reduce, which {replaced} does not run "
                            "(it syncs another way), so they would never fire; inject them at the step start "
                            "(drop where=allreduce; a hang has no other point)")
-
-
-def _check_resume_fits(checkpoint: Checkpoint, scaling: ScalingConfig) -> None:
-    """A run of replicas checkpoints one part per stage (or tensor-parallel rank): it resumes at any
-    number of replicas, but only with the replica shape that wrote it."""
-    wanted = part_names(scaling.pipeline_stages, scaling.tensor_parallel)
-    if checkpoint.parts != wanted:
-        written = f"the parts {checkpoint.parts}" if checkpoint.parts else "no parts (a run without replicas)"
-        raise ElasticError(f"the checkpoint this run resumes from, {checkpoint.path}, holds {written}, and this run "
-                           f"(pipeline_stages={scaling.pipeline_stages}, tensor_parallel={scaling.tensor_parallel}) "
-                           f"restores {wanted or 'no parts'}: each worker resumes from its own part, so resume with the "
-                           "pipeline_stages and tensor_parallel of the run that wrote it (any number of replicas), or "
-                           "use a new run name")
 
 
 def _check_travels(value: Any, where: str, fix: str, round_trip: bool = False) -> None:

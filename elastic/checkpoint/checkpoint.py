@@ -15,10 +15,13 @@ all match is not a checkpoint, for any reader. `verify` hashes every file once; 
 any other way is hashed as it loads). Loading uses `torch.load(weights_only=True)`:
 storage is shared, and a checkpoint must never be able to run code.
 
-A pipelined run's stages hold different state, so each stage is a part of its own,
-`stage-<i>/`, whose shards the replicas write as ranks write a plain run's: replica r of R
-writes the r-th slice of its stage's state. A part resumes at any number of replicas, and
-`model_state_dict()` joins the stages' layers into the whole model's state dict.
+In a run of replicas each place of a replica holds state of its own, so each is a part of its
+own, `<part>/`, whose shards the replicas write as ranks write a plain run's: replica r of R
+writes the r-th slice of its part's state. The checkpoint stores and lists parts by name without
+reading the names (the layer that lays replicas out, `elastic.parallel.parts`, gives them). A
+part resumes at any number of replicas, and `model_state_dict()` joins the parts' models into the
+whole model's state dict (`join_parts`): parts that hold other tensors side by side, and parts
+that hold slices of the same tensors along the dimension each was cut.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tempfile
 import threading
 import time
@@ -53,8 +57,7 @@ MANIFEST = "manifest.json"
 USER_FILES = "user"
 REPORTED = "reported"  # the directory rank 0 reported with elastic.report(checkpoint=...)
 OPTIMIZER_SHARDS = "optimizer-shards"
-PART_KINDS = ("stage", "tp")  # the parts of a pipelined run's stages, of a tensor-parallel run's ranks
-WHOLE = -1  # in a tensor-parallel part's model, the cut dimension of a tensor every rank holds whole
+WHOLE = -1  # in a sliced part's model, the cut dimension of a tensor every part holds whole
 # A large write is hashed and written in pieces of this size: small enough that the hash and the
 # write read a piece while it is still in the CPU cache.
 HASH_PIECE_BYTES = 8 << 20
@@ -72,33 +75,32 @@ def shard_name(rank: int, world_size: int) -> str:
     return f"shard-{rank:05d}-of-{world_size:05d}.pt"
 
 
-def part_name(pipeline_stages: int, tensor_parallel: int, slot: int) -> str:
-    """The part a replica's worker at `slot` writes: its stage's, its tensor-parallel rank's, or "" (a plain run)."""
-    stage, rank = divmod(slot, tensor_parallel)
-    if pipeline_stages > 1 and tensor_parallel > 1:
-        return f"stage-{stage}-tp-{rank}"
-    if pipeline_stages > 1:
-        return f"stage-{stage}"
-    return f"tp-{rank}" if tensor_parallel > 1 else ""
+def join_parts(models: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state dict from the models of parts, in part order. A part's model holds whole tensors by
+    name, or slices: its "tensors" and the dimension each is cut along ("dims", WHOLE for one every
+    part holds whole). A sliced tensor is its parts' slices joined along that dimension, in part order."""
+    joined: dict[str, Any] = {}
+    slices: dict[str, tuple[int, list[torch.Tensor]]] = {}
+    for model in models:
+        if "tensors" in model and "dims" in model:
+            for name, dim in model["dims"].items():
+                slices.setdefault(name, (dim, []))[1].append(model["tensors"][name])
+                joined.setdefault(name, None)  # holds its place in the order until joined
+        else:
+            joined.update(model)
+    for name, (dim, pieces) in slices.items():
+        joined[name] = pieces[0] if dim == WHOLE else torch.cat(pieces, dim)
+    return joined
 
 
-def part_names(pipeline_stages: int, tensor_parallel: int) -> list[str]:
-    """Every part a run of this replica shape writes, in order."""
-    size = pipeline_stages * tensor_parallel
-    return [part_name(pipeline_stages, tensor_parallel, slot) for slot in range(size)] if size > 1 else []
-
-
-def join_slices(parts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """The whole model's state dict from the tensor-parallel ranks' parts' models, in rank order: each holds
-    its "tensors" and the dimension each is cut along ("dims", WHOLE for one every rank holds whole)."""
-    dims = parts[0]["dims"]
-    return {name: parts[0]["tensors"][name] if dim == WHOLE else torch.cat([p["tensors"][name] for p in parts], dim)
-            for name, dim in dims.items()}
+def _in_order(name: str) -> list[Any]:
+    """`name` as its text and its numbers, so that "part-2" sorts before "part-10"."""
+    return [int(piece) if piece.isdigit() else piece for piece in re.split(r"(\d+)", name)]
 
 
 @dataclass(frozen=True)
 class Part:
-    """The part of a checkpoint a rank writes a slice of: a pipelined run's stage, sliced over its replicas."""
+    """The part of a checkpoint a rank writes a slice of: its place's in every replica, sliced over the replicas."""
 
     name: str
     index: int  # the writer's replica
@@ -251,20 +253,21 @@ class Checkpoint:
 
     @property
     def parts(self) -> list[str]:
-        """A run of replicas' parts: "stage-<i>" of a pipelined run, "tp-<j>" of a tensor-parallel one; [] for a
-        plain run."""
-        return sorted({e["name"].split("/")[0] for e in self.manifest["files"]
-                       if e["name"].split("-")[0] in PART_KINDS and "/shard-" in e["name"]},
-                      key=lambda part: [int(n) for n in part.split("-")[1::2]])
+        """A run of replicas' parts, the folders holding shards beside the checkpoint's own, in order of their
+        names' numbers; [] for a plain run."""
+        own = (USER_FILES, REPORTED, OPTIMIZER_SHARDS)
+        folders = {folder for folder, _, file in (e["name"].partition("/") for e in self.manifest["files"])
+                   if file.startswith("shard-") and "/" not in file and folder not in own}
+        return sorted(folders, key=_in_order)
 
     def load_state(self, part: str = "") -> dict[str, Any]:
         """{"model": ..., "optimizer": ..., <other registered state>..., "progress": {...}}: of the
-        whole run, or of one `part` (a pipelined run's stage)."""
+        whole run, or of one `part` (of a run of replicas)."""
         if part not in (self.parts or [""]):
             written = f"with the parts {self.parts}" if self.parts else "without parts (a run without replicas)"
             raise CheckpointError(f"checkpoint {self.path} has no part {part!r}: it was written {written}; resume it "
-                                  "with the replica shape (pipeline_stages, tensor_parallel) of the run that wrote it, "
-                                  "or load one of its parts with load_state(part)")
+                                  "with the replica shape of the run that wrote it, or load one of its parts with "
+                                  "load_state(part)")
         if part:
             prefix = f"{part}/shard-"
             names = sorted(e["name"] for e in self.manifest["files"] if e["name"].startswith(prefix))
@@ -276,19 +279,8 @@ class Checkpoint:
         return {**payload["state"], "progress": payload["progress"]}
 
     def model_state_dict(self) -> dict[str, Any]:
-        """The whole model's state dict: a pipelined run's stages' layers joined under their names, a
-        tensor-parallel run's slices joined along the dimensions they were cut."""
-        stages: dict[str, list[dict[str, Any]]] = {}  # each stage's part, or its tensor-parallel ranks' parts
-        for part in self.parts or [""]:
-            stages.setdefault(part.partition("-tp-")[0] if part.startswith("stage") else "", []).append(
-                self.load_state(part)["model"])
-        merged: dict[str, Any] = {}
-        for models in stages.values():
-            if "tensors" in models[0] and "dims" in models[0]:
-                merged.update(join_slices(models))
-            else:
-                merged.update(models[0])
-        return merged
+        """The whole model's state dict: its parts' models joined (`join_parts`), under the given model's names."""
+        return join_parts([self.load_state(part)["model"] for part in self.parts or [""]])
 
     def _read(self, entry: dict[str, Any]) -> bytes:
         data = self.storage.read_bytes(file_path(entry))

@@ -241,7 +241,7 @@ class GradientAllReduce:
         raise a peer failure on every survivor alike if the generation was aborted first.
 
         A collective cannot decide this: a death inside it can complete it on some ranks and
-        not on others, leaving one stage a step ahead of its replica, which no sync can undo.
+        not on others, leaving one worker a step ahead of its replica, which no sync can undo.
         The controller's store decides instead, as the rendezvous does: the last rank to count
         itself in writes "go", and a rank told of the abort writes "abort"; whoever writes first
         wins, and every rank reads that one outcome. A rank whose average failed never counts
@@ -314,7 +314,7 @@ def leave_group(backend: str, held: list[Any] | None = None) -> None:
     gloo's threads, which wait for any operation still blocked on a dead peer. No garbage
     collection is forced here either: it cost about 0.2 s of every heal and grow.
 
-    `held` lists the caller's last references to subgroups of the group (a pipelined run's),
+    `held` lists the caller's last references to subgroups of the group (a run of replicas'),
     or to what holds them; they go to the same thread, and the list is emptied.
     """
     if not dist.is_initialized():

@@ -36,7 +36,7 @@ def sync_state(objects: dict[str, Any], progress: dict[str, Any], device: torch.
     `progress` holds plain values and must contain "step". `holds_state` says this rank
     holds the run's live state of that step (it trained in an earlier generation). Returns
     the sync result and the progress every rank now shares. Over `group` (default: WORLD),
-    whose group ranks `source_rank` counts; a replica's stage syncs over its data-parallel group.
+    whose group ranks `source_rank` counts; a replica's worker syncs over its data-parallel group.
     """
     world_size = dist.get_world_size(group)
     mine = torch.tensor([progress["step"], int(holds_state)], dtype=torch.int64, device=device)

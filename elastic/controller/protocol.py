@@ -432,7 +432,7 @@ class Protocol:
         return actions + self._top_up() + self._reconcile(now)
 
     def _release_replica_of(self, worker_id: int) -> list[Action]:
-        """A replica cannot run without any one of its stages: the rest of a lost worker's replica
+        """A replica cannot run without any one of its workers: the rest of a lost worker's replica
         leaves with it, and a new replica forms when capacity for a whole one is back."""
         actions: list[Action] = []
         for mate in self._replica_of(worker_id):

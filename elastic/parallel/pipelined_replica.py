@@ -39,13 +39,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic.checkpoint.checkpoint import join_slices
+from elastic.checkpoint.checkpoint import join_parts
 from elastic.comm.flat_state import reduce_in_place
 from elastic.comm.state_sync import SyncResult, state_of
 from elastic.data.loader import to_device
 from elastic.errors import ElasticError, UnweightedBackwardError
 from elastic.parallel.pipeline import PipelinedModel
-from elastic.parallel.prepared import Generation, Placement
+from elastic.parallel.prepared import DTENSOR, ComputeFrames, Generation, Placement
 from elastic.parallel.replica_model import ReplicaModel
 from elastic.parallel.tensor_parallel import Plan, check_plan, resolve
 from elastic.parallel.tensor_parallel_replica import (
@@ -148,6 +148,9 @@ class PipelinedKind(ReplicaModel):
     """A pipelined run's prepared model: this worker's stage (tensor-parallel slices of it in 3D)."""
 
     needs_full_steps = True
+    # torch's schedules run the stage's layers (DTensor's, in 3D), and wait on a batch of sends and receives
+    # in `_wait_batch_p2p`.
+    compute_frames = ComputeFrames(("torch.distributed.pipelining", DTENSOR), waits=("_wait_batch_p2p",))
 
     def __init__(self, place: Placement, model: nn.Sequential | None, objects: dict[str, Any],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, plan: Plan | None,
@@ -224,7 +227,7 @@ class PipelinedKind(ReplicaModel):
         """The stage's part (its slices joined first, in 3D), then every stage's joined under their layers' names."""
         part = state_of(self.returned)
         if self.tensor is not None:
-            part = join_slices(self.gathered(part, "tp"))
+            part = join_parts(self.gathered(part, "tp"))
         return {name: tensor for stage in self.gathered(part, "pp") for name, tensor in stage.items()}
 
 

@@ -47,6 +47,19 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class ComputeFrames:
+    """What the hang probe must not take for a wait on peers in a kind's train thread: the torch.distributed
+    modules whose frames are its compute (DTensor dispatching a local op, a schedule running a model's layers),
+    and of their functions the ones that do wait on peers."""
+
+    modules: tuple[str, ...] = ()
+    waits: tuple[str, ...] = ()
+
+
+DTENSOR = "torch.distributed.tensor"  # the kinds whose parameters are DTensors compute in its frames
+
+
+@dataclass(frozen=True)
 class Generation:
     """What a prepared model binds to in one generation, given by the worker's membership."""
 
@@ -64,6 +77,7 @@ class PreparedModel:
     abortable = False  # its groups must be abortable on gloo at any world size
     needs_full_steps = False  # refuses a dataset whose epochs end with a short step
     part_name = ""  # the part of a checkpoint it writes and restores ("": the whole model, rank 0's)
+    compute_frames = ComputeFrames()  # torch.distributed's frames that are its compute (the hang probe reads them)
 
     def connect(self, spec: GenerationSpec) -> dist.ProcessGroup | None:
         """Form its groups of `spec`'s generation while the world forms; its data-parallel group (None: the world)."""

@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from elastic.checkpoint.checkpoint import Part, part_name
+from elastic.checkpoint.checkpoint import Part
 from elastic.comm.group import GenerationSpec
 from elastic.comm.state_sync import SyncResult
 from elastic.errors import ElasticError, StateLostError
+from elastic.parallel.parts import part_name
 from elastic.parallel.prepared import Generation, PreparedModel
 from elastic.parallel.replicas import Position, ReplicaShape
 
@@ -37,7 +38,7 @@ class ReplicaModel(PreparedModel):
         self.shape = shape
         self.slot = slot  # this worker's place in its replica, for its whole life
         self.device = device
-        self.part_name = part_name(shape.pipeline_stages, shape.tensor_parallel, slot)
+        self.part_name = part_name(shape, slot)
         self.position: Position | None = None  # its replica and stage in the current generation
         self.replicas = 0  # in the current generation
         self.data_group: dist.ProcessGroup | None = None  # the same place of every replica, this generation

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from elastic.config import ScalingConfig
 from elastic.errors import ElasticError
 
 MESH_DIMS = ("dp", "pp", "tp")
@@ -49,6 +50,11 @@ class ReplicaShape:
         if self.pipeline_stages < 1 or self.tensor_parallel < 1:
             raise ElasticError(f"pipeline_stages({self.pipeline_stages}) and tensor_parallel({self.tensor_parallel}) "
                                "count workers per replica: each must be 1 or more")
+
+    @classmethod
+    def of(cls, scaling: ScalingConfig) -> ReplicaShape:
+        """The replica shape of a run's `ScalingConfig`."""
+        return cls(scaling.pipeline_stages, scaling.tensor_parallel)
 
     @property
     def size(self) -> int:
@@ -85,3 +91,19 @@ class ReplicaShape:
             whole = all(alive[rank] for rank in members)
             (staying if whole else released).extend(rank for rank in members if alive[rank])
         return staying, released
+
+
+class ReplicaCoordinates:
+    """Where a worker sits in its replica for its whole life, as properties of an object that holds the
+    replica's `shape` and the worker's `slot` in it: the train loop reads them on its `TrainContext`."""
+
+    shape: ReplicaShape
+    slot: int
+
+    pipeline_stage: int = property(lambda self: self.shape.position(self.slot).stage,
+                                   doc="The pipeline stage this worker holds (0 without pipeline stages).")
+    tensor_parallel_rank: int = property(lambda self: self.shape.position(self.slot).tensor, doc="This worker's "
+                                         "rank in its replica's tensor-parallel group (0 without tensor parallelism).")
+    pipelined: bool = property(lambda self: self.shape.pipeline_stages > 1)
+    in_replicas: bool = property(lambda self: self.shape.size > 1, doc="Replicas of several workers are the run's "
+                                 "data-parallel peers (pipeline stages or tensor parallelism).")

@@ -33,11 +33,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from elastic.checkpoint.checkpoint import WHOLE, join_slices
+from elastic.checkpoint.checkpoint import WHOLE, join_parts
 from elastic.comm.flat_state import reduce_in_place
 from elastic.comm.state_sync import SyncResult, state_of
 from elastic.errors import ElasticError
-from elastic.parallel.prepared import Generation, Placement
+from elastic.parallel.prepared import DTENSOR, ComputeFrames, Generation, Placement
 from elastic.parallel.replica_model import ReplicaModel
 from elastic.parallel.tensor_parallel import Plan, TensorParallelModel
 
@@ -173,6 +173,8 @@ def plan_of(model: nn.Module, plan: Plan | None, size: int) -> Plan:
 class TensorParallelKind(ReplicaModel):
     """A tensor-parallel run's prepared model: this worker's slices, whose replicas average their gradients."""
 
+    compute_frames = ComputeFrames((DTENSOR,))
+
     def __init__(self, place: Placement, model: nn.Module, objects: dict[str, Any], plan: Plan | None) -> None:
         super().__init__(place.shape, place.slot, place.device)
         plan = plan_of(model, plan, place.shape.tensor_parallel)
@@ -211,4 +213,4 @@ class TensorParallelKind(ReplicaModel):
         self.agree()  # as PipelinedReplica.step: no rank steps while another's average failed
 
     def whole_state_dict(self) -> dict[str, torch.Tensor]:
-        return join_slices(self.gathered(state_of(self.returned), "tp"))
+        return join_parts(self.gathered(state_of(self.returned), "tp"))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any, Callable, Iterator
 
 import torch
@@ -39,7 +38,7 @@ from elastic.config import CheckpointConfig, DataConfig, Strategy
 from elastic.errors import ElasticError
 from elastic.faults import Fault
 from elastic.parallel.prepared import Placement
-from elastic.parallel.replicas import ReplicaShape
+from elastic.parallel.replicas import ReplicaCoordinates, ReplicaShape
 from elastic.techniques.strategy import Techniques
 from elastic.worker.batching import MicroBatching
 from elastic.worker.injection import FaultInjector
@@ -78,12 +77,13 @@ def get_checkpoint() -> Checkpoint | None:
     return get_context().get_checkpoint()
 
 
-class TrainContext:
+class TrainContext(ReplicaCoordinates):
     """Per-worker runtime of one run; created by the worker actor, reached via get_context().
 
     It holds the run's parts, each owning its state: the prepared model (one `PreparedModel`,
     whatever its kind), the `Membership` in generations, the `Snapshots` of checkpoints, the
     `MicroBatching` of each step's share, the `Stepping` that commits a step, and the `HangProbe`.
+    Its coordinates in its replica (`ReplicaCoordinates`) come from its `shape` and `slot`.
     """
 
     def __init__(
@@ -111,7 +111,7 @@ class TrainContext:
         self.strategy = strategy
         self.techniques = Techniques(strategy, self.device, data_config.max_steps, data_config.seed)
         self.shape = shape  # workers per replica; in a run of replicas the replica is the elastic unit
-        self._slot = slot  # this worker's place in its replica, for its whole life
+        self.slot = slot  # this worker's place in its replica, for its whole life
         self._random = RandomState()
         self._objects: dict[str, Any] = {"rng": self._random}
         self._place = Placement(shape, slot, self.device, strategy)
@@ -120,7 +120,7 @@ class TrainContext:
         self._progress = Progress(seed=data_config.seed)
         self._inside_step = False  # between a step's __enter__ and __exit__
         self._collectives: Collectives | None = None  # the train loop's, for the current generation
-        self.probe = HangProbe(self.techniques)
+        self.probe = HangProbe(self.techniques, lambda: self._prepared.compute_frames)
         self.membership = Membership(mailbox, self.faults, self.techniques, self._objects, self._random,
                                      self._progress, self.probe, self.device, shape, lambda: self._prepared)
         self.snapshots = Snapshots(checkpoint_config, writer, self.techniques, self._objects, self._progress,
@@ -144,42 +144,28 @@ class TrainContext:
     generation: int = property(lambda self: self.membership.generation)
     step: int = property(lambda self: self._progress.step, doc="Optimizer steps committed so far in the run.")
     num_replicas: int = property(lambda self: self.membership.num_replicas, doc="Replicas in the current "
-                                 "generation: the data-parallel size (the world size without pipeline stages).")
+                                 "generation: the data-parallel size (the world size where a replica is one worker).")
     replica_rank: int = property(lambda self: self.membership.replica_rank,
                                  doc="This worker's replica in the current generation: its data-parallel rank.")
-    pipeline_stage: int = property(lambda self: self._slot // self.shape.tensor_parallel,
-                                   doc="The pipeline stage this worker holds (0 without pipeline stages).")
-    tensor_parallel_rank: int = property(lambda self: self._slot % self.shape.tensor_parallel, doc="This worker's "
-                                         "rank in its replica's tensor-parallel group (0 without tensor parallelism).")
-    pipelined: bool = property(lambda self: self.shape.pipeline_stages > 1)
-    in_replicas: bool = property(lambda self: self.shape.size > 1, doc="Replicas of several workers are the run's "
-                                 "data-parallel peers (pipeline stages or tensor parallelism).")
     links: tuple[int, GroupLinks] | None = property(lambda self: self.membership.links, doc="The current "
                                                     "generation's number and its groups' connections; any thread.")
     checkpoint: Checkpoint | None = property(lambda self: self.membership.checkpoint,
                                              doc="The checkpoint this rank restored at a restart.")
 
     def prepare_model(self, model: torch.nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-                      | None = None, tensor_parallel_plan: Any = None, split_points: Sequence[int] | None = None
-                      ) -> Any:
+                      | None = None, **options: Any) -> Any:
         """Register `model` for healing and wrap it in DDP; call before `steps()`.
 
         Under Strategy(zero=2 or 3) each generation shards it with FSDP2 instead: the returned
         module then holds that generation's sharded module (DTensor parameters) as `module`.
-        With ScalingConfig(pipeline_stages > 1), `model` is an nn.Sequential cut into that many
-        stages and `loss_fn(outputs, targets)` the mean loss the last stage computes: the
-        returned `PipelinedReplica` holds this worker's stage (elastic.parallel.pipelined_replica); the
-        stages are cut evenly by layer count, or where `split_points` say (the index of the layer
-        each stage after the first begins with).
-        With ScalingConfig(tensor_parallel > 1), `tensor_parallel_plan` (by default the model's
-        `tensor_parallel_plan()`) cuts its layers across the replica's workers: the returned
-        `TensorParallelReplica` holds this worker's slices (elastic.parallel.tensor_parallel_replica).
-        The kind of prepared model is picked here, once (`elastic.worker.model_kinds`).
+        In a run of replicas of several workers the returned model holds this worker's part of
+        the replica's; `loss_fn` and the keyword `options` are that kind's, as the factory of
+        prepared models lists them (`elastic.worker.model_kinds.prepare`). The kind of prepared
+        model is picked there, once.
         """
         if self._prepared.returned is not None:
             raise ElasticError("prepare_model() was called twice; elastic syncs one model per run")
-        self._prepared = prepare(self._place, self.techniques, model, self._objects, loss_fn, tensor_parallel_plan,
-                                 split_points)
+        self._prepared = prepare(self._place, self.techniques, model, self._objects, loss_fn, **options)
         return self._prepared.returned
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -241,8 +227,7 @@ class TrainContext:
 
         A collective, as torch's own full-state-dict helpers are: call it on every rank at the
         same point of the loop. ZeRO-2/3's parameter shards are gathered (every rank takes part
-        in each gather), a tensor-parallel stage's slices joined along their cut dimensions, and a
-        pipelined replica's stages joined under their layers' names.
+        in each gather), and a replica's parts joined, each kind its own way (`whole_state_dict`).
         """
         if self._objects.get("model") is None:
             raise ElasticError("ctx.model_state_dict() gives the prepared model's state: call ctx.prepare_model(model) "

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic.parallel.prepared import Generation, Placement, PreparedModel
+from elastic.parallel.prepared import DTENSOR, ComputeFrames, Generation, Placement, PreparedModel
 from elastic.techniques.strategy import Techniques
 
 # DDP's gradient bucket size on gloo, in MB. Each bucket's all-reduce starts once the backward
@@ -107,6 +107,8 @@ class DataParallelModel(PreparedModel):
 
 class ShardedModel(DataParallelModel):
     """ZeRO-2/3: the module is sharded by FSDP2 in each generation, which syncs the gradients itself."""
+
+    compute_frames = ComputeFrames((DTENSOR,))  # its parameters are DTensors
 
     def __init__(self, place: Placement, techniques: Techniques, model: torch.nn.Module,
                  objects: dict[str, Any]) -> None:

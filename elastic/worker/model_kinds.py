@@ -21,9 +21,19 @@ from elastic.worker.data_parallel import DataParallelModel, ShardedModel
 def prepare(place: Placement, techniques: Techniques, model: torch.nn.Module | None, objects: dict[str, Any],
             loss_fn: Callable | None = None, tensor_parallel_plan: Any = None,
             split_points: Sequence[int] | None = None) -> PreparedModel:
-    """The prepared model of this run's kind, holding `model`, whose synced state it registers in `objects`.
-    Before prepare_model (`model` None) the kind holds no model but forms the same groups and cuts the same
-    batches. Torch's pipelining and DTensor take seconds to import: only the runs of a kind import its module."""
+    """The prepared model of this run's kind, holding `model`, whose synced state it registers in `objects`
+    (`ctx.prepare_model(model, loss_fn, **options)`). Before prepare_model (`model` None) the kind holds no
+    model but forms the same groups and cuts the same batches. Torch's pipelining and DTensor take seconds
+    to import: only the runs of a kind import its module.
+
+    With ScalingConfig(pipeline_stages > 1), `model` is an nn.Sequential cut into that many stages and
+    `loss_fn(outputs, targets)` the mean loss the last stage computes: the returned `PipelinedReplica`
+    holds this worker's stage (elastic.parallel.pipelined_replica); the stages are cut evenly by layer
+    count, or where `split_points` say (the index of the layer each stage after the first begins with).
+    With ScalingConfig(tensor_parallel > 1), `tensor_parallel_plan` (by default the model's
+    `tensor_parallel_plan()`) cuts its layers across the replica's workers: the returned
+    `TensorParallelReplica` holds this worker's slices (elastic.parallel.tensor_parallel_replica).
+    """
     shape = place.shape
     if tensor_parallel_plan is not None and shape.tensor_parallel == 1:
         raise ElasticError("prepare_model(model, tensor_parallel_plan=...) takes a plan only in a tensor-parallel "

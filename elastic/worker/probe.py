@@ -12,25 +12,23 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from elastic.parallel.prepared import ComputeFrames
     from elastic.techniques.strategy import Techniques
     from elastic.worker.step import Step
 
-# torch.distributed modules whose frames are mostly compute (a pipeline schedule running a stage's
-# layers, DTensor dispatching a local op), and of their functions the ones that wait on peers.
-COMPUTING = ("torch.distributed.pipelining", "torch.distributed.tensor")
-WAITS = ("_wait_batch_p2p",)  # torch's schedules wait on a batch of sends and receives here
-
 
 class HangProbe:
-    """The train thread's progress counts, written by it and read from any thread."""
+    """The train thread's progress counts, written by it and read from any thread. `compute_frames`
+    gives the prepared model's torch.distributed frames that are compute, not a wait on peers."""
 
-    def __init__(self, techniques: Techniques) -> None:
+    def __init__(self, techniques: Techniques, compute_frames: Callable[[], ComputeFrames]) -> None:
         self._techniques = techniques
+        self._compute_frames = compute_frames
         self.launched = 0  # gradient all-reduces launched in this generation
         self.entered_sync = 0  # steps whose gradient-syncing backward started in this generation
         self.arrived = -1  # the newest generation whose barrier this rank reached
@@ -73,12 +71,13 @@ class HangProbe:
         """Where the train thread waits inside a torch.distributed call (a fact read from its
         stack, not a guess from messages), or "" when it does not."""
         frame = sys._current_frames().get(self.train_thread)
+        computing = self._compute_frames()
         called = None
         while frame is not None:
             module = frame.f_globals.get("__name__", "")
-            # A pipeline schedule and DTensor run the model's compute too: of their own frames, only
-            # a wait on peers counts (DTensor's collectives show in _functional_collectives' frames).
-            waits = not module.startswith(COMPUTING) or frame.f_code.co_name in WAITS
+            # Some kinds' torch.distributed modules run the model's compute too: of their own frames,
+            # only a wait on peers counts (DTensor's collectives show in _functional_collectives' frames).
+            waits = not module.startswith(computing.modules) or frame.f_code.co_name in computing.waits
             if module.startswith("torch.distributed") and waits:
                 called = called or frame.f_code.co_name
             elif called is not None:

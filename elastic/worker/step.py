@@ -57,7 +57,7 @@ class MicroBatch:
         """Backpropagate the micro-batch's mean loss, weighted so the step is the global-batch mean."""
         if self.step is not None and self.step.averaged:
             raise ElasticError("mb.backward() after the step's gradients were averaged across the replicas (a "
-                               "tensor-parallel run averages at the last micro-batch's backward): sum the losses "
+                               "run of replicas averages at the last micro-batch's backward): sum the losses "
                                "of a micro-batch and call mb.backward once")
         if self.on_sync is not None:
             self.on_sync()
