@@ -35,6 +35,7 @@ from elastic.controller.protocol import Protocol, Status
 from elastic.controller.states import Failed, Formation
 from elastic.faults import Fault
 from elastic.journal.events import EventJournal, read_events
+from elastic.journal.resume import resume
 from elastic.parallel.replicas import ReplicaShape
 
 NODE_ID_LABEL = "ray.io/node-id"  # a label Ray gives every node
@@ -65,21 +66,16 @@ class Controller:
         self.journal = EventJournal(self.storage, read_events(self.storage))
         self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
         self.store_host = ray.util.get_node_ip_address()
-        # Ray re-runs __init__ when it restarts a dead controller; the journal tells it apart
-        # from a new fit() of the same run, which starts its own attempt.
-        mine = [e for e in self.journal.events if e.get("attempt") == spec.attempt or e["type"] != "run_started"]
-        self.restarted = any(e["type"] == "run_started" and e.get("attempt") == spec.attempt for e in self.journal.events)
-        for event in self.journal.events:
-            if event["type"] == "fault_injected" and event.get("attempt") == spec.attempt:
-                self.store.add(f"fault/{event['fault']}", 1)  # a fault fires once per attempt, across restarts
-        since = next((i for i, e in enumerate(mine) if e["type"] == "run_started"
-                      and e.get("attempt") == spec.attempt), len(mine))
-        this_attempt = mine[since:] if self.restarted else []
+        # Ray re-runs __init__ when it restarts a dead controller: the journal says whether this
+        # attempt ran before, and what it continues.
+        resumed = resume(self.journal.events, spec.attempt)
+        self.restarted = resumed.restarted
+        for fault in resumed.fired:
+            self.store.add(f"fault/{fault}", 1)  # a fault fires once per attempt, across restarts
         self.protocol = Protocol(
             spec.scaling, spec.run.failure_config, spec.data.max_steps,
             switch_every=spec.strategy.sync_options.get("every", 1),
-            generation=max((e.get("generation", -1) for e in this_attempt), default=-1),
-            failures=max((e.get("failures", 0) for e in this_attempt if e["type"] == "decision"), default=0),
+            generation=resumed.generation, failures=resumed.failures,
         )
         self.handles: dict[int, Any] = {}
         self.refused: set[tuple[int, str]] = set()  # (worker, kind) already journaled as fenced
