@@ -10,6 +10,7 @@ one asyncio inbox, so the protocol sees them one at a time.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import time
 import uuid
@@ -27,7 +28,7 @@ from actors.worker import Worker
 from elastic.checkpoint.checkpoint import Checkpoint, latest_complete
 from elastic.checkpoint.shards import ShardCollector
 from elastic.checkpoint.storage import RunStorage
-from elastic.comm.group import GenerationSpec, abort_generation
+from elastic.comm.group import GenerationSpec, abort_generation, forget_generation
 from elastic.config import DataConfig, RunConfig, ScalingConfig, Strategy
 from elastic.controller import policies, signals
 from elastic.controller.progress import ProgressTracker
@@ -66,6 +67,10 @@ class Controller:
         self.journal = EventJournal(self.storage, read_events(self.storage))
         self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
         self.store_host = ray.util.get_node_ip_address()
+        # Forgetting a generation is a delete per member: one thread and a connection of its own,
+        # so that neither the event loop nor an abort on `store` waits behind them.
+        self.forgetting = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-forget")
+        self.forget_store = dist.TCPStore("127.0.0.1", self.store.port, is_master=False, wait_for_workers=False)
         # Ray re-runs __init__ when it restarts a dead controller: the journal says whether this
         # attempt ran before, and what it continues.
         resumed = resume(self.journal.events, spec.attempt)
@@ -214,6 +219,8 @@ class Controller:
                 abort_generation(self.store, action.generation)
                 for worker_id in action.workers:
                     self.handles[worker_id].abort.remote(action.generation)
+            elif isinstance(action, signals.Forget):
+                self.forgetting.submit(self._forget, action.generations)
             elif isinstance(action, signals.Kill):
                 ray.kill(self.handles[action.worker_id])
             elif isinstance(action, signals.PollProgress):
@@ -222,6 +229,10 @@ class Controller:
             await asyncio.to_thread(self.journal.flush)
         if self.placement_groups:
             self._free_lost_replicas()
+
+    def _forget(self, generations: tuple[tuple[int, int], ...]) -> None:
+        for generation, world_size in generations:
+            forget_generation(self.forget_store, generation, world_size, self.spec.scaling.backend)
 
     async def _prepare(self, worker_id: int, generation: int) -> None:
         try:

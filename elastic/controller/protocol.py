@@ -11,6 +11,8 @@ Invariants (docs/architecture.md explains them):
   holding live state, count only from committed generations.
 - A member that dies, or a group that breaks, before its generation commits aborts it at
   once: the barrier key is set to "abort" and the next generation is offered without the dead.
+- Once a generation commits, every older one offered is forgotten (`Forget`): its members have
+  all left it, so the store keys it left are deleted.
 - A formation in which no member holds live state restores the latest checkpoint (a
   restart, logged as one); a newcomer never forms a generation alone with fresh weights.
 - A grow never stops the running members before their agreed switch step; a death during it
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.controller import policies
 from elastic.controller.signals import (
-    PREPARE_SLACK_STEPS, Abort, Action, Emit, Exit, FormedReport, GroupBroken, Kill, Observation, Offer, PollProgress,
+    PREPARE_SLACK_STEPS, Abort, Action, Emit, Exit, Forget, FormedReport, GroupBroken, Kill, Observation, Offer, PollProgress,
     Prepare, ProgressPolled, ShardWritten, StartWorkers, SwitchPrepared, Tick, WorkerExited, WorkerReady,
 )
 from elastic.controller.states import (
@@ -95,6 +97,8 @@ class Protocol:
     # The ids of the workers in each status, so that nothing needs to look at every worker to
     # find the idle ones or count the live ones.
     _by_status: dict[Status, set[int]] = field(init=False, repr=False, compare=False)
+    # The world size of each generation offered and not yet forgotten: the running one and any since.
+    _unforgotten: dict[int, int] = field(init=False, repr=False, compare=False)
     # `members` and each one's rank, rebuilt when `members` is another tuple (`_rank`).
     _ranked: tuple[tuple[int, ...], dict[int, int]] = field(init=False, repr=False, compare=False)
 
@@ -103,6 +107,7 @@ class Protocol:
         for worker_id, record in self.workers.items():
             self._by_status[record.status].add(worker_id)
         self._ranked = ((), {})
+        self._unforgotten = {}
 
     # --- entry points ---------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
@@ -383,6 +388,7 @@ class Protocol:
         self.generation += 1
         since = self.failure_at if reason in (Reason.HEAL, Reason.RESTART) and self.failure_at else now
         formation = Formation(self.generation, tuple(members), reason, decision.reason, since, decided_at=now)
+        self._unforgotten[formation.generation] = len(members)
         self.progress_at = now
         if reason == Reason.GROW:
             return [Prepare(formation.generation, self.members), *self._enter(Preparing(formation), decision.reason)]
@@ -411,6 +417,11 @@ class Protocol:
             "members": [{"worker_id": w, "pid": self.workers[w].pid, "node": self.workers[w].node}
                         for w in formation.members],
         })]
+        stale = tuple((g, size) for g, size in self._unforgotten.items() if g < formation.generation)
+        if stale:
+            actions.append(Forget(stale))
+            for generation, _ in stale:
+                del self._unforgotten[generation]
         if old_size and old_size != len(formation.members):
             actions.append(Emit("rescale", {"generation": formation.generation, "from_size": old_size,
                                             "to_size": len(formation.members), "reason": formation.detail}))
