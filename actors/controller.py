@@ -10,6 +10,7 @@ one asyncio inbox, so the protocol sees them one at a time.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import time
 import uuid
@@ -27,7 +28,7 @@ from actors.worker import Worker
 from elastic.checkpoint.checkpoint import Checkpoint, latest_complete
 from elastic.checkpoint.shards import ShardCollector
 from elastic.checkpoint.storage import RunStorage
-from elastic.comm.group import GenerationSpec, abort_generation
+from elastic.comm.group import GenerationSpec, abort_generation, forget_generation
 from elastic.config import DataConfig, RunConfig, ScalingConfig, Strategy
 from elastic.controller import policies, signals
 from elastic.controller.progress import ProgressTracker
@@ -35,6 +36,7 @@ from elastic.controller.protocol import Protocol, Status
 from elastic.controller.states import Failed, Formation
 from elastic.faults import Fault
 from elastic.journal.events import EventJournal, read_events
+from elastic.journal.resume import resume
 from elastic.parallel.replicas import ReplicaShape
 
 NODE_ID_LABEL = "ray.io/node-id"  # a label Ray gives every node
@@ -65,21 +67,20 @@ class Controller:
         self.journal = EventJournal(self.storage, read_events(self.storage))
         self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
         self.store_host = ray.util.get_node_ip_address()
-        # Ray re-runs __init__ when it restarts a dead controller; the journal tells it apart
-        # from a new fit() of the same run, which starts its own attempt.
-        mine = [e for e in self.journal.events if e.get("attempt") == spec.attempt or e["type"] != "run_started"]
-        self.restarted = any(e["type"] == "run_started" and e.get("attempt") == spec.attempt for e in self.journal.events)
-        for event in self.journal.events:
-            if event["type"] == "fault_injected" and event.get("attempt") == spec.attempt:
-                self.store.add(f"fault/{event['fault']}", 1)  # a fault fires once per attempt, across restarts
-        since = next((i for i, e in enumerate(mine) if e["type"] == "run_started"
-                      and e.get("attempt") == spec.attempt), len(mine))
-        this_attempt = mine[since:] if self.restarted else []
+        # Forgetting a generation is a delete per member: one thread and a connection of its own,
+        # so that neither the event loop nor an abort on `store` waits behind them.
+        self.forgetting = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-forget")
+        self.forget_store = dist.TCPStore("127.0.0.1", self.store.port, is_master=False, wait_for_workers=False)
+        # Ray re-runs __init__ when it restarts a dead controller: the journal says whether this
+        # attempt ran before, and what it continues.
+        resumed = resume(self.journal.events, spec.attempt)
+        self.restarted = resumed.restarted
+        for fault in resumed.fired:
+            self.store.add(f"fault/{fault}", 1)  # a fault fires once per attempt, across restarts
         self.protocol = Protocol(
             spec.scaling, spec.run.failure_config, spec.data.max_steps,
             switch_every=spec.strategy.sync_options.get("every", 1),
-            generation=max((e.get("generation", -1) for e in this_attempt), default=-1),
-            failures=max((e.get("failures", 0) for e in this_attempt if e["type"] == "decision"), default=0),
+            generation=resumed.generation, failures=resumed.failures,
         )
         self.handles: dict[int, Any] = {}
         self.refused: set[tuple[int, str]] = set()  # (worker, kind) already journaled as fenced
@@ -218,6 +219,8 @@ class Controller:
                 abort_generation(self.store, action.generation)
                 for worker_id in action.workers:
                     self.handles[worker_id].abort.remote(action.generation)
+            elif isinstance(action, signals.Forget):
+                self.forgetting.submit(self._forget, action.generations)
             elif isinstance(action, signals.Kill):
                 ray.kill(self.handles[action.worker_id])
             elif isinstance(action, signals.PollProgress):
@@ -226,6 +229,10 @@ class Controller:
             await asyncio.to_thread(self.journal.flush)
         if self.placement_groups:
             self._free_lost_replicas()
+
+    def _forget(self, generations: tuple[tuple[int, int], ...]) -> None:
+        for generation, world_size in generations:
+            forget_generation(self.forget_store, generation, world_size, self.spec.scaling.backend)
 
     async def _prepare(self, worker_id: int, generation: int) -> None:
         try:

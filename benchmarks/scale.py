@@ -3,6 +3,11 @@
     .venv/bin/python -m benchmarks.scale            # world sizes 2, 4, 8, 16; 3 rounds
     .venv/bin/python -m benchmarks.scale --quick    # world sizes 2 and 16; 1 round
     .venv/bin/python -m benchmarks.scale --out /tmp/scale.json
+    .venv/bin/python -m benchmarks.scale --simulated   # the pure protocol at 100 to 10,000 workers, no Ray
+
+With --simulated it drives the controller's protocol with a fake worker group instead, and
+merges its CPU figures into benchmarks/results/bench.json (benchmarks/scale_simulated.py says
+what it measures).
 
 Run it from the repository root. It starts a `ray.cluster_utils.Cluster` on this machine (a head
 node with no CPUs for the driver and the controller, and NODES worker nodes of CPUS_PER_NODE
@@ -69,6 +74,8 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import elastic
+from benchmarks import scale_simulated
+from benchmarks.bench import DEFAULT_OUT as BENCH_OUT
 from benchmarks.bench import _provenance, command_line
 from elastic.comm.flat_state import flatten
 from elastic.comm.state_sync import state_of
@@ -77,6 +84,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results", "scale.json")
 WORLD_SIZES = (2, 4, 8, 16)
 QUICK_WORLD_SIZES = (2, 16)
+SIMULATED_QUICK_SIZES = (100, 1000)
 ROUNDS = 3
 NODES = 4
 CPUS_PER_NODE = 5  # logical: 16 workers and the replacement of a dead one fit with room to spare
@@ -243,6 +251,9 @@ def _spread(values: list[float]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.simulated:
+        sizes = args.sizes or (SIMULATED_QUICK_SIZES if args.quick else None)
+        return scale_simulated.main(sizes, args.rounds or (1 if args.quick else None), args.out, argv)
     sizes = args.sizes or (QUICK_WORLD_SIZES if args.quick else WORLD_SIZES)
     rounds = args.rounds or (1 if args.quick else ROUNDS)
     started = time.time()
@@ -293,12 +304,13 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors,
         **_provenance(command_line("benchmarks.scale", argv), time.time() - started),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    out = args.out or DEFAULT_OUT
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(report, f, indent=2)
         f.write("\n")
     _print_table(report)
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {out}")
     return 1 if errors else 0
 
 
@@ -347,7 +359,10 @@ def _print_table(report: dict[str, Any]) -> None:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"world sizes {QUICK_WORLD_SIZES}, one round")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="where to write the JSON (default: %(default)s)")
+    parser.add_argument("--out", help=f"where to write the JSON (default: {DEFAULT_OUT}; with --simulated, "
+                                      f"merged into {BENCH_OUT})")
+    parser.add_argument("--simulated", action="store_true",
+                        help=f"the pure protocol with a fake worker group at {scale_simulated.SIZES} workers, no Ray")
     parser.add_argument("--rounds", type=int, help=f"rounds (default {ROUNDS}, 1 with --quick)")
     parser.add_argument("--sizes", type=int, nargs="+", help=f"world sizes (default {WORLD_SIZES})")
     parser.add_argument("--step-sleep", type=float, default=STEP_SLEEP_S,

@@ -15,6 +15,7 @@ import pytest
 
 from elastic.checkpoint.storage import RunStorage
 from elastic.journal.events import EVENT_TYPES, EventJournal, has_journal, read_events, segment_name
+from elastic.journal.resume import resume
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,6 +115,34 @@ def test_a_journal_over_an_existing_run_writes_only_its_own_events(local):
 
     assert _steps(local) == [0, 1, 2, 3]
     assert [e["step"] for e in second.events] == [0, 1, 2, 3]
+
+
+def _attempt(journal, attempt, generations, failures, fault):
+    journal.emit("run_started", attempt=attempt)
+    for generation in generations:
+        journal.emit("state", state="FORMING", generation=generation)
+    journal.emit("decision", action="HEAL", failures=failures)
+    journal.emit("fault_injected", fault=fault, attempt=attempt)
+
+
+def test_a_restarted_controller_continues_its_attempts_generations_failures_and_fired_faults(local):
+    journal = EventJournal(local)
+    _attempt(journal, "first", [0, 1, 2, 3, 4, 5], 3, "kill:1:10")
+    _attempt(journal, "second", [0, 1], 1, "kill:0:5")
+    journal.flush()
+    resumed = resume(read_events(local), "second")
+    assert resumed.restarted
+    assert (resumed.generation, resumed.failures, resumed.fired) == (1, 1, ("kill:0:5",)), \
+        "the earlier attempt's generations, failures or faults leaked into this one"
+
+
+def test_a_new_attempt_of_the_same_run_starts_its_generations_and_failures_afresh(local):
+    journal = EventJournal(local)
+    _attempt(journal, "first", [0, 1, 2], 2, "kill:1:10")
+    journal.flush()
+    resumed = resume(read_events(local), "new")
+    assert not resumed.restarted
+    assert (resumed.generation, resumed.failures, resumed.fired) == (-1, 0, ())
 
 
 def test_events_emitted_by_many_threads_during_flushes_are_each_written_once(local):

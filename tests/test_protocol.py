@@ -1,108 +1,21 @@
 """Every transition of the controller's protocol, with a fake worker group and no Ray.
 
-`FakeWorkerGroup` carries out the protocol's actions in memory and feeds back what real
-workers would report, through hooks such as `die(w)` and `form(g)`. Each test advances the
-protocol one observation at a time and reads as the rule it checks.
+`FakeWorkerGroup` (`elastic/controller/fake_group.py`) carries out the protocol's actions in
+memory and feeds back what real workers would report, through hooks such as `die(w)` and
+`form(g)`. Each test advances the protocol one observation at a time and reads as the rule it
+checks.
 """
 
 import pytest
 
 from elastic.config import FailureConfig, ScalingConfig
+from elastic.controller.fake_group import MAX_STEPS, FakeWorkerGroup
 from elastic.controller.protocol import MAX_FAILED_FORMATIONS, Protocol, Status
 from elastic.controller.signals import (
-    PREPARE_SLACK_STEPS, Abort, Emit, Exit, FormedReport, GroupBroken, Kill, Offer, PollProgress, Prepare,
-    ProgressPolled, ShardWritten, StartWorkers, SwitchPrepared, Tick, WorkerExited, WorkerProgress, WorkerReady,
+    PREPARE_SLACK_STEPS, FormedReport, GroupBroken, Offer, ProgressPolled, ShardWritten, Tick, WorkerProgress,
+    WorkerReady,
 )
 from elastic.controller.states import Reason
-
-MAX_STEPS = 1000
-
-
-class FakeWorkerGroup:
-    """The workers' side of the protocol, in memory."""
-
-    def __init__(self, min_workers=2, max_workers=3, spare_workers=0, max_steps=MAX_STEPS, pipeline_stages=1,
-                 **failure):
-        self.protocol = Protocol(
-            ScalingConfig(min_workers=min_workers, max_workers=max_workers, spare_workers=spare_workers,
-                          pipeline_stages=pipeline_stages),
-            FailureConfig(**failure), max_steps,
-        )
-        self.now = 100.0
-        self.actions = []
-        self.offers: dict[int, Offer] = {}
-        self.prepares: dict[int, Prepare] = {}
-        self.aborted: list[int] = []
-        self.killed: list[int] = []
-        self.polls: list[PollProgress] = []
-        self.started: list[int] = []
-        self._carry(self.protocol.start(self.now))
-
-    # --- what happens to workers --------------------------------------------------------
-    def send(self, observation, after_s=0.01):
-        self.now += after_s
-        actions = self.protocol.step(observation, self.now)
-        self._carry(actions)
-        return actions
-
-    def ready(self, *worker_ids):
-        for worker_id in worker_ids:
-            self.send(WorkerReady(worker_id, node=f"node-{worker_id}", pid=1000 + worker_id))
-
-    def die(self, worker_id):
-        return self.send(WorkerExited(worker_id, Exit.DIED, "ActorDiedError: worker process died"))
-
-    def raise_error(self, worker_id):
-        return self.send(WorkerExited(worker_id, Exit.APP_ERROR, "ValueError: bug", traceback="tb"))
-
-    def finish(self, worker_id, value=None):
-        return self.send(WorkerExited(worker_id, Exit.FINISHED, step=MAX_STEPS, value=value))
-
-    def form(self, generation=None, members=None, step=0):
-        """Every (or the given) member of `generation` reports it formed."""
-        generation = self.latest_offer.formation.generation if generation is None else generation
-        for worker_id in members or self.offers[generation].formation.members:
-            self.send(FormedReport(worker_id, generation, ok=True, step=step, timings={"sync_s": 0.01}))
-
-    def answer_prepare(self, steps):
-        generation = max(self.prepares)
-        for worker_id, step in steps.items():
-            self.send(SwitchPrepared(worker_id, generation, step))
-
-    def start_run(self, *worker_ids):
-        """Start workers, form the first generation and commit it."""
-        self.ready(*worker_ids)
-        if not self.offers:
-            self.send(Tick(), after_s=self.protocol.scaling.start_grace_s + 0.1)
-        self.form()
-
-    # --- what the protocol did ------------------------------------------------------------
-    @property
-    def state(self):
-        return self.protocol.state.name
-
-    @property
-    def latest_offer(self):
-        return self.offers[max(self.offers)]
-
-    def events(self, type):
-        return [a.fields for a in self.actions if isinstance(a, Emit) and a.type == type]
-
-    def _carry(self, actions):
-        self.actions += actions
-        for action in actions:
-            if isinstance(action, Offer):
-                self.offers[action.formation.generation] = action
-            elif isinstance(action, Prepare):
-                self.prepares[action.generation] = action
-            elif isinstance(action, Abort):
-                self.aborted.append(action.generation)
-            elif isinstance(action, Kill):
-                self.killed.append(action.worker_id)
-            elif isinstance(action, PollProgress):
-                self.polls.append(action)
-            elif isinstance(action, StartWorkers):
-                self.started += action.worker_ids
 
 
 def progress(step=10, arrived=-1, checkpointing=False, entered_sync=None, connected=None):

@@ -15,6 +15,10 @@ after "go", when every member is known to be there, does `init_process_group` co
 
 Leaving is prompt on every member alike: `GradientAllReduce` makes a generation's gradient
 all-reduces abortable from another thread, which gloo itself cannot do.
+
+Forgetting: once a later generation commits, nobody reads an older one's keys again, and the
+controller deletes them (`forget_generation`): the barrier's two and the address each rank's
+gloo connect wrote, ~8W bytes each. Left alone they added up to ~8W^2 bytes per formation.
 """
 
 from __future__ import annotations
@@ -106,6 +110,32 @@ def generation_prefix(generation: int) -> str:
 
 def outcome_key(generation: int) -> str:
     return f"{generation_prefix(generation)}/outcome"
+
+
+# Where gloo's connect of a generation's default group writes each rank's address. torch puts a
+# group's keys under PrefixStore(f"{group_name}/") and then PrefixStore(f"{device}/")
+# (torch/distributed/distributed_c10d.py, `_new_process_group_helper`); ProcessGroupGloo connects
+# one gloo context per device under PrefixStore(str(index)), and gloo's connectFullMesh sets one key
+# per rank, named by the rank. PrefixStore joins with "/". The default group is named "0" (the
+# first group of a fresh world, after `destroy_process_group`) and has one gloo device unless
+# GLOO_SOCKET_IFNAME names several interfaces. tests/test_store_keys.py checks it against torch.
+GLOO_CONNECT_KEYS = "group/0//cpu//0/{rank}"
+
+
+def generation_keys(generation: int, world_size: int, backend: str) -> list[str]:
+    """The keys generation `generation` of `world_size` members leaves in the store: its barrier's,
+    and on gloo each rank's address from the connect of its default group."""
+    prefix = generation_prefix(generation)
+    keys = [f"{prefix}/arrived", outcome_key(generation)]
+    if backend == "gloo":
+        keys += [f"{prefix}/{GLOO_CONNECT_KEYS.format(rank=rank)}" for rank in range(world_size)]
+    return keys
+
+
+def forget_generation(store: dist.Store, generation: int, world_size: int, backend: str) -> int:
+    """Delete what generation `generation` left in the store (`generation_keys`); call once a later
+    generation committed, when no member reads them again. The number of keys it deleted."""
+    return sum(store.delete_key(key) for key in generation_keys(generation, world_size, backend))
 
 
 def abort_generation(store: dist.Store, generation: int) -> bool:

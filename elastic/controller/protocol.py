@@ -2,7 +2,8 @@
 
 `Protocol.step(observation, now)` performs one transition and returns the actions the
 controller actor carries out (`elastic.controller.signals`). Nothing here touches Ray, so every
-transition, abort included, is tested with a fake worker group (`tests/test_protocol.py`).
+transition, abort included, is tested with a fake worker group (`elastic.controller.fake_group`,
+`tests/test_protocol.py`).
 
 Invariants (docs/architecture.md explains them):
 - Generation numbers only grow; a number offered once is never offered again.
@@ -10,6 +11,8 @@ Invariants (docs/architecture.md explains them):
   holding live state, count only from committed generations.
 - A member that dies, or a group that breaks, before its generation commits aborts it at
   once: the barrier key is set to "abort" and the next generation is offered without the dead.
+- Once a generation commits, every older one offered is forgotten (`Forget`): its members have
+  all left it, so the store keys it left are deleted.
 - A formation in which no member holds live state restores the latest checkpoint (a
   restart, logged as one); a newcomer never forms a generation alone with fresh weights.
 - A grow never stops the running members before their agreed switch step; a death during it
@@ -17,18 +20,25 @@ Invariants (docs/architecture.md explains them):
 - Every loop is bounded: application errors and lost runs by `max_failures`, formations that
   fail by `MAX_FAILED_FORMATIONS`, heals with no step committed in between by
   `max_heals_without_step`; a stall by the hang deadline, which follows the step time.
+
+Cost: an observation that answers for one worker (ready, acknowledged, prepared, broken, ended)
+costs O(1) amortized, whatever the world size W: workers are indexed by status and members by
+rank, and answers are collected in place. A decision looks at every member once (a death's
+heal, an offer, a commit, a poll): O(W). So a formation costs O(W) in all
+(`tests/test_protocol_cost.py` counts it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from dataclasses import dataclass, field
 
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.controller import policies
 from elastic.controller.signals import (
-    PREPARE_SLACK_STEPS, Abort, Action, Emit, Exit, FormedReport, GroupBroken, Kill, Observation, Offer, PollProgress,
+    PREPARE_SLACK_STEPS, Abort, Action, Emit, Exit, Forget, FormedReport, GroupBroken, Kill, Observation, Offer, PollProgress,
     Prepare, ProgressPolled, ShardWritten, StartWorkers, SwitchPrepared, Tick, WorkerExited, WorkerReady,
 )
 from elastic.controller.states import (
@@ -48,7 +58,7 @@ class Status(enum.Enum):
 @dataclass
 class WorkerRecord:
     worker_id: int
-    status: Status = Status.STARTING
+    status: Status = Status.STARTING  # changed only through `Protocol._move`, which keeps the index by status
     node: str = ""
     pid: int = 0
     holds_state: bool = False  # was a member of a committed generation: holds live run state
@@ -84,6 +94,20 @@ class Protocol:
     stalled_since: float = 0.0  # the last progress before the stall the latest poll is about
     detect_s: float = 0.0  # how long the failure being healed went unseen (an unreachable member's stall)
     deadline_s: float = 0.0  # the hang deadline it was past
+    # The ids of the workers in each status, so that nothing needs to look at every worker to
+    # find the idle ones or count the live ones.
+    _by_status: dict[Status, set[int]] = field(init=False, repr=False, compare=False)
+    # The world size of each generation offered and not yet forgotten: the running one and any since.
+    _unforgotten: dict[int, int] = field(init=False, repr=False, compare=False)
+    # `members` and each one's rank, rebuilt when `members` is another tuple (`_rank`).
+    _ranked: tuple[tuple[int, ...], dict[int, int]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._by_status = {status: set() for status in Status}
+        for worker_id, record in self.workers.items():
+            self._by_status[record.status].add(worker_id)
+        self._ranked = ((), {})
+        self._unforgotten = {}
 
     # --- entry points ---------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
@@ -95,12 +119,7 @@ class Protocol:
     def step(self, observation: Observation, now: float) -> list[Action]:
         if isinstance(self.state, TERMINAL):
             return []
-        handler = {
-            WorkerReady: self._on_ready, WorkerExited: self._on_exited, GroupBroken: self._on_broken,
-            SwitchPrepared: self._on_prepared, FormedReport: self._on_formed, Tick: self._on_tick,
-            ProgressPolled: self._on_polled, ShardWritten: self._on_shard_written,
-        }[type(observation)]
-        return handler(observation, now)
+        return _HANDLERS[type(observation)](self, observation, now)
 
     @property
     def stalled_s(self) -> float:
@@ -121,7 +140,8 @@ class Protocol:
         record = self.workers.get(obs.worker_id)
         if record is None or record.status != Status.STARTING:
             return []
-        record.status, record.node, record.pid = Status.IDLE, obs.node, obs.pid
+        self._move(record, Status.IDLE)
+        record.node, record.pid = obs.node, obs.pid
         self.first_ready_at = self.first_ready_at or now
         started = {"worker_id": obs.worker_id, "node": obs.node, "pid": obs.pid, "host": obs.host, "binds": obs.binds}
         if self.scaling.replica_size > 1:
@@ -133,14 +153,16 @@ class Protocol:
         record = self.workers[obs.worker_id]
         if record.status == Status.GONE:
             return []
-        rank = self.members.index(obs.worker_id) if obs.worker_id in self.members else None
+        rank = self._rank(obs.worker_id)
         if obs.exit == Exit.FINISHED:
-            record.status = Status.GONE
+            self._move(record, Status.GONE)
             self.outcomes[obs.worker_id] = obs
             actions = self._abort_formation(now) if isinstance(self.state, (Preparing, Forming)) else []
             if not isinstance(self.state, Finishing):
-                actions += self._enter(Finishing(now), f"rank {rank} finished its train loop at step {obs.step}")
-            return actions + self._maybe_finished()
+                ending = {w for w in self.members if self.workers[w].status != Status.GONE}
+                reason = f"rank {rank} finished its train loop at step {obs.step}"
+                actions += self._enter(Finishing(now, ending), reason)
+            return actions + self._maybe_finished(obs.worker_id)
         actions: list[Action] = []
         if obs.exit == Exit.APP_ERROR:
             self.failures += 1
@@ -148,7 +170,7 @@ class Protocol:
             decision = policies.decide_failure("app_error", self.failures, self.failure.max_failures)
             actions.append(self._decision(decision.action, decision.reason))
             if decision.action == "RAISE" or isinstance(self.state, Finishing):
-                record.status = Status.GONE
+                self._move(record, Status.GONE)
                 return actions + self._enter(Failed(obs.cause, "app_error", rank, obs.traceback), decision.reason)
             actions.append(Kill(obs.worker_id))
         elif not record.evicted_for and obs.exit == Exit.DIED:
@@ -174,9 +196,11 @@ class Protocol:
         state = self.state
         if not isinstance(state, Preparing) or state.formation.generation != obs.generation:
             return []
-        answers = dict(state.answers) | {obs.worker_id: obs.step}
-        if set(answers) < set(self.members):
-            self.state = Preparing(state.formation, tuple(answers.items()))
+        if self._rank(obs.worker_id) is None:
+            return []  # only the running members were asked
+        answers = state.answers
+        answers[obs.worker_id] = obs.step
+        if len(answers) < len(self.members):
             return []
         earliest = max(answers.values()) + PREPARE_SLACK_STEPS
         switch = -(-earliest // self.switch_every) * self.switch_every
@@ -218,9 +242,11 @@ class Protocol:
             self.broken = True  # its members may have left the running generation already
             self.failure_at = self.failure_at or now
             return actions + self._reconcile(now)
-        acked = dict(state.acked) | {obs.worker_id: obs}
-        if set(acked) < set(state.formation.members):
-            self.state = Forming(state.formation, tuple(acked.items()))
+        if obs.worker_id not in state.formation.ranks:
+            return []  # only the members were offered it
+        acked = state.acked
+        acked[obs.worker_id] = obs
+        if len(acked) < len(state.formation.members):
             return []
         return self._commit(state.formation, acked, now)
 
@@ -236,7 +262,7 @@ class Protocol:
         if obs.straggler is not None and isinstance(state, Running):
             return self._evict_straggler(*obs.straggler, now)
         if isinstance(state, Waiting):
-            live = len(self.members) + len(self._with(Status.IDLE))
+            live = len(self.members) + len(self._by_status[Status.IDLE])
             # Enough ready workers only wait out the start's grace, however short the capacity timeout.
             if now > state.deadline and live < self.scaling.min_workers:
                 scaling = self.scaling
@@ -279,9 +305,8 @@ class Protocol:
         suspects = {w: p for w, p in obs.answers.items() if p is not None and not p.connecting}
         if isinstance(state, Forming):
             # Those at the barrier wait for the others; only the ones that never came can be hung.
-            acked = dict(state.acked)
             suspects = {w: p for w, p in suspects.items()
-                        if w not in acked and p.arrived < state.formation.generation}
+                        if w not in state.acked and p.arrived < state.formation.generation}
         if actions or not suspects:
             # The members waited on an unreachable peer (the heal releases them), or on peers of a
             # generation they are connecting (its connect timeout does).
@@ -331,11 +356,16 @@ class Protocol:
         """Offer the membership the policies want, if no formation is under way."""
         if isinstance(self.state, (Preparing, Forming, Finishing, *TERMINAL)):
             return []
-        idle = self._with(Status.IDLE)
-        starting = bool(self._with(Status.STARTING))
+        idle_count = len(self._by_status[Status.IDLE])
+        starting = bool(self._by_status[Status.STARTING])
         if self.running < 0 and not self.members and starting and self.first_ready_at is not None \
-                and now - self.first_ready_at < self.scaling.start_grace_s and len(idle) < self.scaling.max_workers:
+                and now - self.first_ready_at < self.scaling.start_grace_s and idle_count < self.scaling.max_workers:
             return []  # the first generation waits briefly for workers starting alongside
+        if isinstance(self.state, Waiting) and len(self.members) + idle_count < self.scaling.min_workers:
+            # Too few could run whichever the policy picked: still waiting. Said before the
+            # policy looks at every ready worker, which each of thousands arriving would pay.
+            return []
+        idle = sorted(self._by_status[Status.IDLE])
         ready = [w for w in idle if all(self.workers[m].status == Status.IDLE for m in self._replica_of(w))]
         decision = policies.decide_membership(self.members, ready, self.broken or not self.members,
                                               self.scaling.min_workers, self.scaling.max_workers,
@@ -358,6 +388,7 @@ class Protocol:
         self.generation += 1
         since = self.failure_at if reason in (Reason.HEAL, Reason.RESTART) and self.failure_at else now
         formation = Formation(self.generation, tuple(members), reason, decision.reason, since, decided_at=now)
+        self._unforgotten[formation.generation] = len(members)
         self.progress_at = now
         if reason == Reason.GROW:
             return [Prepare(formation.generation, self.members), *self._enter(Preparing(formation), decision.reason)]
@@ -373,7 +404,7 @@ class Protocol:
         self.failed_formations, self.progress_at = 0, now
         self.committed_at_step = self.committed_step
         for worker_id in formation.members:
-            self.workers[worker_id].status = Status.MEMBER
+            self._move(self.workers[worker_id], Status.MEMBER)
             self.workers[worker_id].holds_state = True
         first = acked[formation.members[0]]
         phases = {k: max(r.timings.get(k, 0.0) for r in holders) for k in ("leave_s", "barrier_s", "connect_s", "sync_s")}
@@ -386,6 +417,11 @@ class Protocol:
             "members": [{"worker_id": w, "pid": self.workers[w].pid, "node": self.workers[w].node}
                         for w in formation.members],
         })]
+        stale = tuple((g, size) for g, size in self._unforgotten.items() if g < formation.generation)
+        if stale:
+            actions.append(Forget(stale))
+            for generation, _ in stale:
+                del self._unforgotten[generation]
         if old_size and old_size != len(formation.members):
             actions.append(Emit("rescale", {"generation": formation.generation, "from_size": old_size,
                                             "to_size": len(formation.members), "reason": formation.detail}))
@@ -407,17 +443,18 @@ class Protocol:
     def _lose(self, worker_id: int, now: float) -> list[Action]:
         """A worker is gone: abort a formation it was in, heal the generation it was in."""
         record = self.workers[worker_id]
-        record.status = Status.GONE
+        self._move(record, Status.GONE)
         self._note_node_failure(record.node, now)
         actions: list[Action] = []
         if isinstance(self.state, Finishing):
-            return self._maybe_finished()
+            return self._maybe_finished(worker_id)
         actions += self._release_replica_of(worker_id)
         state = self.state
-        if isinstance(state, (Preparing, Forming)) and worker_id in state.formation.members:
+        if isinstance(state, (Preparing, Forming)) and worker_id in state.formation.ranks:
             actions += self._abort_formation(now)
-        if worker_id in self.members:
-            self.members = tuple(w for w in self.members if w != worker_id)
+        rank = self._rank(worker_id)
+        if rank is not None:
+            self.members = self.members[:rank] + self.members[rank + 1:]
             if not self.broken:
                 actions += self._break(now)
                 if isinstance(self.state, Failed):
@@ -443,7 +480,7 @@ class Protocol:
                 why = f"worker {worker_id} of its replica was lost; a replica trains only whole"
                 actions += [self._worker_failed(mate, "replica", why), Kill(mate)]
                 record.evicted_for = "replica"
-            record.status = Status.GONE
+            self._move(record, Status.GONE)
             self.members = tuple(w for w in self.members if w != mate)
         return actions
 
@@ -488,7 +525,7 @@ class Protocol:
         state = self.state
         assert isinstance(state, (Preparing, Forming))
         formation = state.formation
-        live = tuple(w for w in formation.members if self.workers[w].status != Status.GONE)
+        live = tuple(itertools.filterfalse(self._by_status[Status.GONE].__contains__, formation.members))
         if isinstance(state, Forming) and formation.reason == Reason.GROW:
             # Members may already have left the running generation at the switch step: it
             # must be healed, or they would wait for an offer forever.
@@ -521,19 +558,24 @@ class Protocol:
         return [self._decision("EVICT", f"worker {worker_id} is a straggler: {reason}"),
                 *self._give_up(worker_id, "straggler", reason, now)]
 
-    def _maybe_finished(self) -> list[Action]:
-        if any(self.workers[w].status != Status.GONE for w in self.members):
+    def _maybe_finished(self, ended: int) -> list[Action]:
+        """`ended` is gone while the run finishes: finished, once no member is left running."""
+        state = self.state
+        assert isinstance(state, Finishing)
+        state.ending.discard(ended)
+        if state.ending:
             return []
         return self._enter(Finished(), "every member ended its train loop")
 
     def _top_up(self) -> list[Action]:
         """Request workers until live ones reach max_workers plus the warm spares."""
-        live = sum(r.status != Status.GONE for r in self.workers.values())
+        live = len(self.workers) - len(self._by_status[Status.GONE])
         # A lost replica goes whole (`_release_replica_of`), so this requests whole replicas.
         count = policies.workers_to_start(live, self.scaling.max_workers + self.scaling.spare_workers)
         ids = tuple(range(len(self.workers), len(self.workers) + count))
         for worker_id in ids:
             self.workers[worker_id] = WorkerRecord(worker_id)
+            self._by_status[Status.STARTING].add(worker_id)
         return [StartWorkers(ids)] if ids else []
 
     def _note_node_failure(self, node: str, now: float) -> None:
@@ -541,8 +583,19 @@ class Protocol:
             self.node_failures.setdefault(node, []).append(now)
 
     # --- helpers ----------------------------------------------------------------------------
-    def _with(self, status: Status) -> list[int]:
-        return sorted(w for w, r in self.workers.items() if r.status == status)
+    def _move(self, record: WorkerRecord, status: Status) -> None:
+        self._by_status[record.status].discard(record.worker_id)
+        self._by_status[status].add(record.worker_id)
+        record.status = status
+
+    def _rank(self, worker_id: int) -> int | None:
+        """`worker_id`'s rank in the running generation, None if it is no member. The index is
+        rebuilt when `members` changes (a commit, a loss): a lookup costs O(1), not O(W)."""
+        members, ranks = self._ranked
+        if members is not self.members:
+            ranks = dict(zip(self.members, range(len(self.members))))
+            self._ranked = (self.members, ranks)
+        return ranks.get(worker_id)
 
     def _enter(self, state: ControllerState, reason: str) -> list[Action]:
         self.state = state
@@ -553,6 +606,14 @@ class Protocol:
 
     def _worker_failed(self, worker_id: int, kind: str, cause: str, **fields: float) -> Emit:
         record = self.workers[worker_id]
-        rank = self.members.index(worker_id) if worker_id in self.members else None
+        rank = self._rank(worker_id)
         return Emit("worker_failed", {"worker_id": worker_id, "rank": rank, "node": record.node, "pid": record.pid,
                                       "kind": kind, "cause": cause, "generation": self.running, **fields})
+
+
+# Each observation's handler, found once per observation: a heal at 10,000 workers is 20,000 of them.
+_HANDLERS = {
+    WorkerReady: Protocol._on_ready, WorkerExited: Protocol._on_exited, GroupBroken: Protocol._on_broken,
+    SwitchPrepared: Protocol._on_prepared, FormedReport: Protocol._on_formed, Tick: Protocol._on_tick,
+    ProgressPolled: Protocol._on_polled, ShardWritten: Protocol._on_shard_written,
+}

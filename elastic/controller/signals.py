@@ -159,6 +159,14 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Forget:
+    """Delete the store keys of these (generation, world size): a later generation committed, so
+    no member reads them again."""
+
+    generations: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
 class Kill:
     worker_id: int
 
@@ -174,4 +182,4 @@ class Emit:
     fields: dict[str, Any]
 
 
-Action = StartWorkers | Prepare | Offer | Abort | Kill | PollProgress | Emit
+Action = StartWorkers | Prepare | Offer | Abort | Forget | Kill | PollProgress | Emit

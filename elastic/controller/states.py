@@ -5,12 +5,18 @@
        └───────────┘  └────────┘  └──► FINISHING ──► FINISHED      (any) ──► FAILED
 
 A `Formation` is one offer of a generation: its members, why, and where the old members switch.
+
+A state that collects one answer per member (the prepare's steps, the acknowledgements, the
+members still ending) holds them in a dict or set filled in place: a copy per answer would cost
+O(W) each, O(W^2) per formation.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class Reason(enum.Enum):
@@ -30,6 +36,11 @@ class Formation:
     switch_step: int | None = None  # a grow's agreed boundary; None: join at once
     decided_at: float = 0.0
 
+    @functools.cached_property
+    def ranks(self) -> dict[int, int]:
+        """Each member's rank: whether a worker is a member, in O(1), once it was built."""
+        return dict(zip(self.members, range(len(self.members))))
+
 
 @dataclass(frozen=True)
 class Waiting:
@@ -41,19 +52,19 @@ class Waiting:
 
 @dataclass(frozen=True)
 class Preparing:
-    """A grow: the running members were asked for their step; `answers` so far."""
+    """A grow: the running members were asked for their step; `answers` so far, by member."""
 
     formation: Formation
-    answers: tuple[tuple[int, int], ...] = ()
+    answers: dict[int, int] = field(default_factory=dict)
     name: str = field(default="PREPARING", init=False)
 
 
 @dataclass(frozen=True)
 class Forming:
-    """Generation `formation.generation` was offered; `acked` members formed it and synced."""
+    """Generation `formation.generation` was offered; `acked` members formed it and synced (their reports)."""
 
     formation: Formation
-    acked: tuple[tuple[int, dict], ...] = ()
+    acked: dict[int, Any] = field(default_factory=dict)
     name: str = field(default="FORMING", init=False)
 
 
@@ -65,9 +76,11 @@ class Running:
 
 @dataclass(frozen=True)
 class Finishing:
-    """A member's train loop returned; the others are ending the same step."""
+    """A member's train loop returned; the others are ending the same step. `ending`: the members
+    not gone yet."""
 
     since: float
+    ending: set[int] = field(default_factory=set)
     name: str = field(default="FINISHING", init=False)
 
 
