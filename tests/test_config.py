@@ -231,11 +231,13 @@ def test_a_fault_moment_that_does_not_apply_to_its_kind_is_rejected_naming_the_o
         parse_fault("kill:rank=1,step=5,where=formation")
 
 
-def test_negative_spares_and_crash_loop_limits_are_rejected():
+def test_negative_spares_start_graces_and_crash_loop_limits_are_rejected():
     from elastic import FailureConfig, ScalingConfig
 
     with pytest.raises(ValidationError, match="spare_workers"):
         ScalingConfig(min_workers=1, max_workers=2, spare_workers=-1)
+    with pytest.raises(ValidationError, match="start_grace_s"):
+        ScalingConfig(min_workers=1, max_workers=2, start_grace_s=-1)
     with pytest.raises(ValidationError, match="max_heals_without_step"):
         FailureConfig(max_heals_without_step=-1)
 
