@@ -63,8 +63,8 @@ class Worker:
         torch.set_num_threads(max(1, int(num_cpus)))
         self.worker_id = worker_id
         self._controller = controller
-        # Without the straggler check only rank 0's reports reach the controller (elastic.worker.reports).
-        self._reports = ReportQueue(every_rank=straggler_check)
+        # Without the straggler check only replica 0's reports reach the controller (elastic.worker.reports).
+        self._reports = ReportQueue(every_rank=straggler_check, replica_size=shape.size)
         self.mailbox = GenerationMailbox(
             on_waiting=lambda: controller.worker_ready.remote(worker_id, self.info()),
             on_broken=lambda g: controller.group_broken.remote(worker_id, g),

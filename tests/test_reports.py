@@ -27,12 +27,14 @@ def metrics_item(step: int, rank: int, at: float) -> dict:
 
 
 class Run:
-    """W simulated ranks that commit a step every STEP_S and report it with the user's metrics;
-    every REPORT_INTERVAL_S each rank's report thread takes what is due. `calls` records each
-    call to the controller as (time, worker, items)."""
+    """W simulated ranks that commit a step every STEP_S and report it with the user's metrics
+    (in replicas of S > 1 workers, a pipeline's, only its last stage reports them); every
+    REPORT_INTERVAL_S each rank's report thread takes what is due. `calls` records each call to
+    the controller as (time, worker, items)."""
 
-    def __init__(self, world_size: int, every_rank: bool = False) -> None:
-        self.queues = [ReportQueue(every_rank) for _ in range(world_size)]
+    def __init__(self, world_size: int, every_rank: bool = False, replica_size: int = 1) -> None:
+        self.queues = [ReportQueue(every_rank, replica_size) for _ in range(world_size)]
+        self.replica_size = replica_size
         self.ranks = list(range(world_size))  # worker -> its rank in the current generation
         self.calls: list[tuple[float, int, list[dict]]] = []
         self.everything: list[dict] = []  # every report any rank made, as if every rank sent each
@@ -48,7 +50,10 @@ class Run:
                 rank = self.ranks[worker]
                 if rank < 0:
                     continue
-                for item in (step_item(self.step, rank, world_size, self.now), metrics_item(self.step, rank, self.now)):
+                items = [step_item(self.step, rank, world_size, self.now)]
+                if rank % self.replica_size == self.replica_size - 1:
+                    items.append(metrics_item(self.step, rank, self.now))
+                for item in items:
                     queue.add(item)
                     self.everything.append(item)
             self.step += 1
@@ -129,6 +134,19 @@ def test_the_journal_s_figures_from_rank_0_alone_are_those_every_rank_s_reports_
     assert alone.last_step_time == everyone.last_step_time == run.now  # what the hang deadline counts from
     assert alone.last_metrics == everyone.last_metrics == {"step": run.step - 1, "loss": 1.0 / run.step}
     assert alone.samples_per_s() == everyone.samples_per_s()
+
+
+def test_in_a_pipeline_replica_0_reports_and_its_last_stage_s_metrics_reach_the_journal():
+    small, large = Run(4, replica_size=2), Run(400, replica_size=2)
+    for run in (small, large):
+        run.advance(5.0)
+        run.finish()
+    assert len(small.calls) == len(large.calls) == 2 * 5.0 / REPORT_INTERVAL_S
+    assert {worker for _, worker, _ in large.calls} == {0, 1}
+    alone = tracker_fed([item for _, _, items in large.calls for item in items])
+    assert alone.step == large.step
+    assert alone.last_metrics == tracker_fed(large.everything).last_metrics == {
+        "step": large.step - 1, "loss": 1.0 / large.step + 1}  # rank 1's: replica 0's last stage
 
 
 def test_a_new_rank_0_sends_the_steps_the_dead_one_never_sent():
