@@ -23,7 +23,7 @@ from elastic.errors import ElasticError, ReportedCheckpointError, TrainingFailed
 from elastic.worker.context import TrainContext
 from elastic.worker.mailbox import GenerationMailbox
 from elastic.worker.step import Step
-from workloads import GLOBAL_BATCH, build_mlp, regression_data
+from workloads import GLOBAL_BATCH, build_mlp, fit_started, hold_at_gate, regression_data
 
 # The train loops below are defined here; Ray workers cannot import the tests folder.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -66,6 +66,7 @@ def habits_loop(config: dict) -> dict:
                     loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+        hold_at_gate(config, step.index)
         if (ctx.rank, step.index) == tuple(config.get("die_before_evaluation", ())):
             while elastic.get_checkpoint() is None:
                 pass  # dies once the directory it reported is in a complete checkpoint
@@ -134,8 +135,10 @@ def habits(local_ray, tmp_path_factory):
     """Rank 0 reports a directory after step 4 and dies right before an evaluation's collective
     at step 5; then the run is resumed by name and trained to step 12."""
     storage = tmp_path_factory.mktemp("habits")
-    first = trainer(storage, "habits", ScalingConfig(min_workers=1, max_workers=2),
-                    die_before_evaluation=(0, 5), report_at=[4]).fit()
+    # Held after step 0 until both workers started: a start that formed without a slow one
+    # takes it in by step 3, so rank 0's death at step 5 leaves a survivor to heal.
+    first = fit_started(trainer(storage, "habits", ScalingConfig(min_workers=1, max_workers=2),
+                                die_before_evaluation=(0, 5), report_at=[4], gate=(0, str(storage / "started"))))
     resumed = trainer(storage, "habits", ScalingConfig(num_workers=2), max_steps=12, report_at=[12]).fit()
     return first, resumed, RunStorage(str(storage), "habits")
 
@@ -189,8 +192,8 @@ def test_the_prepared_model_trains_under_torch_compile_through_a_heal_to_the_eag
         except Exception as exc:
             pytest.skip(f"torch.compile on CPU (inductor) needs a C++ compiler and finds none ({exc}); install g++ "
                         "or set CXX")
-    compiled = trainer(tmp_path, "compiled", ScalingConfig(min_workers=1, max_workers=2), compile=backend,
-                       die_before_evaluation=(1, 5), report_at=[4]).fit()
+    compiled = fit_started(trainer(tmp_path, "compiled", ScalingConfig(min_workers=1, max_workers=2), compile=backend,
+                                   die_before_evaluation=(1, 5), report_at=[4], gate=(0, str(tmp_path / "started"))))
     eager = habits[0]  # the same 8 steps, eager, with rank 0 lost instead: both equal a fixed-size run
     assert compiled.value["compiled_graphs"] > 0 and eager.value["compiled_graphs"] == 0
     assert "heal" in [e["kind"] for e in compiled.events_of("generation_formed")]

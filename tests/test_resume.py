@@ -18,7 +18,7 @@ from elastic.checkpoint.checkpoint import (
 )
 from elastic.checkpoint.storage import RunStorage
 from elastic.errors import TrainingFailedError
-from workloads import GLOBAL_BATCH, STEPS_PER_EPOCH, regression_loop, regression_reference
+from workloads import GLOBAL_BATCH, STEPS_PER_EPOCH, fit_started, regression_loop, regression_reference
 
 TOTAL_STEPS = 6 * STEPS_PER_EPOCH
 PARAM_TOLERANCE = 1e-9
@@ -28,10 +28,14 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def trainer(storage_path, name, workers, max_steps=TOTAL_STEPS, faults=(), max_failures=0, sleep_s=0.0, hidden=32):
+    """A run of `regression_loop`; one with faults is held after step 0 until its `workers[1]`
+    workers started (run it with `fit_started`): a start that formed without a slow one takes it
+    in by step 3, so a fault on every rank finds it."""
     low, high = workers
+    gate = {"gate": (0, f"{storage_path}/{name}-started")} if faults else {}
     return ElasticTrainer(
         regression_loop,
-        train_loop_config={"max_steps": TOTAL_STEPS, "sleep_s": sleep_s, "hidden": hidden},
+        train_loop_config={"max_steps": TOTAL_STEPS, "sleep_s": sleep_s, "hidden": hidden, **gate},
         scaling_config=ScalingConfig(min_workers=low, max_workers=high),
         run_config=RunConfig(
             name=name, storage_path=str(storage_path), checkpoint_config=CheckpointConfig(every_steps=8),
@@ -75,7 +79,7 @@ def test_a_run_resumes_by_name_at_another_world_size_with_exactly_once_data(loca
 
 def test_a_run_restarts_from_storage_and_finishes_when_every_worker_is_killed(local_ray, reference, tmp_path):
     faults = [Fault(kind="kill", rank=0, step=20), Fault(kind="kill", rank=1, step=20)]
-    result = trainer(tmp_path, "all-lost", (1, 2), faults=faults, max_failures=1).fit()
+    result = fit_started(trainer(tmp_path, "all-lost", (1, 2), faults=faults, max_failures=1))
     assert "RESTART" in [e["action"] for e in result.events_of("decision")]
     [recovery] = [e for e in result.events_of("recovery") if e["from_checkpoint"]]
     assert recovery["steps_lost"] >= 20 - 16
@@ -87,7 +91,7 @@ def test_a_run_restarts_from_storage_and_finishes_when_every_worker_is_killed(lo
 def test_losing_every_worker_fails_the_run_when_max_failures_is_zero(local_ray, tmp_path):
     faults = [Fault(kind="kill", rank=0, step=20), Fault(kind="kill", rank=1, step=20)]
     with pytest.raises(Exception, match="every worker was lost"):
-        trainer(tmp_path, "all-lost-fatal", (1, 2), faults=faults, max_failures=0).fit()
+        fit_started(trainer(tmp_path, "all-lost-fatal", (1, 2), faults=faults, max_failures=0))
 
 
 # The controller's death in CI: tests/test_chaos.py's seeds kill it (controller-kill faults)
@@ -120,7 +124,7 @@ def test_the_run_finishes_when_the_controller_is_killed(local_ray, reference, tm
 @pytest.mark.soak  # the suite's time on 2 cores: CI crashes a rank mid-checkpoint in test_chaos, which verifies every checkpoint
 def test_a_rank_killed_while_writing_leaves_no_complete_looking_checkpoint(local_ray, reference, tmp_path):
     faults = [Fault(kind="checkpoint-crash", rank=1, step=16)]
-    result = trainer(tmp_path, "write-crash", (1, 2), faults=faults).fit()
+    result = fit_started(trainer(tmp_path, "write-crash", (1, 2), faults=faults))
     saved = [e["step"] for e in result.events_of("checkpoint_saved")]
     assert 16 not in saved and saved[-1] == TOTAL_STEPS
     run = RunStorage(str(tmp_path), "write-crash")

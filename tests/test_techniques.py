@@ -37,13 +37,16 @@ def _trainer(tmp_path, name, scaling, strategy=Strategy(), faults=(), max_steps=
     )
 
 
-def _fit(*args, **kwargs):
-    return _trainer(*args, **kwargs).fit()
+def _fit(tmp_path, name, scaling, *args, **kwargs):
+    """A run held after step 0 until its `max_workers` workers started: a start that formed
+    without a slow one takes it in by step 3, so a fault on rank 1 finds it however slowly
+    workers start."""
+    return _fit_held(tmp_path, name, 0, workers_started(scaling.max_workers), scaling, *args, **kwargs)
 
 
-def _fit_held(tmp_path, name, gate_step, until, **fit_args):
-    """`_fit` held before step `gate_step` until `until(events)` holds (`fit_held`)."""
-    return fit_held(_trainer(tmp_path, name, gate=(gate_step, str(tmp_path / f"{name}-gate")), **fit_args), until)
+def _fit_held(tmp_path, name, gate_step, until, *args, **fit_args):
+    """A run held before step `gate_step` until `until(events)` holds (`fit_held`)."""
+    return fit_held(_trainer(tmp_path, name, *args, gate=(gate_step, str(tmp_path / f"{name}-gate")), **fit_args), until)
 
 
 # The run `_grow_to_3_once_formed` holds at 2: with the third worker's CPUs taken, the start's

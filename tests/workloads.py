@@ -394,6 +394,11 @@ def fit_held(trainer, until, *more):
     return run.result()
 
 
+def fit_started(trainer):
+    """`fit_held` until the run's `max_workers` workers started."""
+    return fit_held(trainer, workers_started(trainer.scaling_config.max_workers))
+
+
 def workers_started(count: int):
     """An `until` for `fit_held`: `count` workers have started."""
     return lambda events: len([e for e in events if e["type"] == "worker_started"]) >= count
