@@ -18,8 +18,10 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/elastic demo $(ARGS)
 
+# Two pytest processes, each taking whole modules, the longest first (tests/conftest.py): one
+# process leaves a core idle while runs wait on workers that start, heal or sleep through a step.
 test: setup
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(ARGS)
 
 bench: setup
 	$(BIN)/python -m benchmarks.bench $(ARGS)
