@@ -467,11 +467,11 @@ def write_file(folder: RunStorage, name: str, pieces: list[Any],
     """Write file `name` (at `path`, by default the name), the `pieces` end to end, and make it
     durable; its manifest entry (name, path, size, sha256).
 
-    The pieces go to storage as they are, and the sha256 is taken of the same memory while the
-    storage finishes the write: a local file's fsync and an object store's upload wait on the
-    disk or the network, not on the CPU, so the hash costs no time of its own where the storage
-    is the bottleneck. `crash_after` is the injected fault: the process dies like a crash once
-    that many bytes have reached storage.
+    A helper thread hands the pieces to storage as they are and fsyncs a local file, while this
+    one takes the sha256 of the same memory (both let go of the GIL): with a free core the hash
+    costs no time of its own, and where the disk or the network is the bottleneck it hides
+    behind the fsync or the upload. `crash_after` is the injected fault: the process dies like a
+    crash once that many bytes have reached storage.
     """
     relative = path or name
     if "/" in relative:
@@ -479,31 +479,32 @@ def write_file(folder: RunStorage, name: str, pieces: list[Any],
     path = folder.path(relative)
     views = [memoryview(piece).cast("B") for piece in pieces]
     sha256 = hashlib.sha256()
-    size = 0
     local = isinstance(folder.fs, pafs.LocalFileSystem)
     # A local file is written with Python's own I/O, which can fsync.
     with (open(path, "wb") if local else folder.fs.open_output_stream(path)) as out:
-        for view in views:
-            if crash_after is not None and size + len(view) >= crash_after:
-                out.write(view[: crash_after - size])
-                out.flush()
-                os._exit(1)
-            out.write(view)
-            size += len(view)
-        if local:
-            out.flush()
-            with ThreadPoolExecutor(1, thread_name_prefix="elastic-checkpoint-fsync") as syncer:
-                synced = syncer.submit(os.fsync, out.fileno())
-                _hash(sha256, views)  # hashlib lets go of the GIL, so the fsync proceeds meanwhile
-                synced.result()
-        else:
-            _hash(sha256, views)  # pyarrow's streams upload in the background meanwhile; closing waits for them
+        with ThreadPoolExecutor(1, thread_name_prefix="elastic-checkpoint-write") as writer:
+            written = writer.submit(_write_pieces, out, views, crash_after, local)
+            for view in views:
+                sha256.update(view)
+            size = written.result()
     return {"name": name, "path": relative, "size": size, "sha256": sha256.hexdigest()}
 
 
-def _hash(sha256: Any, views: list[memoryview]) -> None:
+def _write_pieces(out: Any, views: list[memoryview], crash_after: int | None, local: bool) -> int:
+    """Write `views` to `out`, fsynced when `local`; the bytes written. A remote stream's
+    background uploads finish when it is closed."""
+    size = 0
     for view in views:
-        sha256.update(view)
+        if crash_after is not None and size + len(view) >= crash_after:
+            out.write(view[: crash_after - size])
+            out.flush()
+            os._exit(1)
+        out.write(view)
+        size += len(view)
+    if local:
+        out.flush()
+        os.fsync(out.fileno())
+    return size
 
 
 def _fsync(fs: pafs.FileSystem, path: str) -> None:
