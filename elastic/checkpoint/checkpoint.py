@@ -8,9 +8,8 @@ also holds the structure, and rank 0 writes the user's own files and the directo
 reported with `elastic.report(checkpoint=...)` (under `reported/`, see `elastic.checkpoint.reported`).
 A shard is a safetensors file (`elastic.checkpoint.tensor_file`) written straight from the
 snapshot's buffers, with no pickling and no copy; its sha256 is taken from the same memory
-while the storage finishes the write (a local file's fsync, an object store's upload), and on
-a local disk every file is fsynced before it is reported, and the manifest before older
-checkpoints are deleted. When the controller has heard of every shard, it writes
+while a helper thread writes it, and on a local disk every file is fsynced before it is
+reported, and the manifest before older checkpoints are deleted. When the controller has heard of every shard, it writes
 `manifest.json`, listing each file's size and sha256, the step, world size, data cursor and
 format version. A folder without a valid manifest whose files all match is not a checkpoint,
 for any reader. `verify` hashes every file once; the `Checkpoint` it returns remembers that,
