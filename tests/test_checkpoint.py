@@ -229,7 +229,8 @@ def _write_listed(run, step, files, format_version):
     run.fs.create_dir(folder.root, recursive=True)
     for name, data in files.items():
         folder.write_bytes(name, data)
-    listed = [{"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()]
+    listed = [{"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+              for name, data in files.items()]
     write_manifest(run, {"step": step, "cursor": {"epoch": 0, "consumed": 8 * step, "seed": 0}}, len(files), listed, {})
     path = run.path(f"{step_dir(step)}/manifest.json")
     manifest = json.loads(open(path).read())

@@ -9,9 +9,9 @@ reported with `elastic.report(checkpoint=...)` (under `reported/`, see `elastic.
 A shard is a safetensors file (`elastic.checkpoint.tensor_file`) written straight from the
 snapshot's buffers, with no pickling and no copy; its sha256 is taken from the same memory
 while a helper thread writes it, and on a local disk every file is fsynced before it is
-reported, and the manifest before older checkpoints are deleted. When the controller has heard of every shard, it writes
-`manifest.json`, listing each file's size and sha256, the step, world size, data cursor and
-format version. A folder without a valid manifest whose files all match is not a checkpoint,
+reported, and the manifest before older checkpoints are deleted. When the controller has heard
+of every shard, it writes `manifest.json`, listing each file's size and sha256, the step, world
+size, data cursor and format version. A folder without a valid manifest whose files all match is not a checkpoint,
 for any reader. `verify` hashes every file once; the `Checkpoint` it returns remembers that,
 so loading it checks only sizes (a checkpoint made any other way is hashed as it loads).
 Loading runs no code: safetensors for the tensors, `torch.load(weights_only=True)` for the
