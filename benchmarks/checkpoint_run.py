@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import elastic
+from elastic.checkpoint.checkpoint import file_path
 from benchmarks.bench import DEFAULT_OUT, REPO_ROOT, _kill_session, merge_figures
 
 IN_FEATURES = 1024
@@ -301,7 +302,7 @@ def _measure_round(storage: str, checkpoints: int) -> dict[str, Any]:
     return {
         "checkpoints": [{k: e[k] for k in ("step", "time", "bytes", "stall_s", "upload_s")} for e in saved],
         "clone_s": clones,
-        "shards": [os.path.join(result.checkpoint.path, f["name"]) for f in shards],
+        "shards": [os.path.join(result.checkpoint.path, file_path(f)) for f in shards],
         "shard_bytes": sum(f["size"] for f in shards),
     }
 

@@ -4,19 +4,24 @@ No Ray: two "ranks" write their shards of one snapshot through CheckpointWriter,
 test plays the controller by writing the manifest once both have reported.
 """
 
+import hashlib
 import io
+import json
 import pickle
 
 import pytest
+import safetensors.torch
 import torch
 
 from elastic.checkpoint import checkpoint as checkpoint_module
+from elastic.checkpoint import tensor_file
 from elastic.checkpoint.checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointWriter,
     checkpoint_storage,
     latest_complete,
+    shard_chunks,
     shard_name,
     step_dir,
     steps_to_delete,
@@ -76,7 +81,7 @@ def test_the_manifest_lists_every_file_with_size_and_sha256(run):
     names = [f["name"] for f in manifest["files"]]
     assert names == [shard_name(0, 2), shard_name(1, 2), "user/vocab.txt"]
     assert all(len(f["sha256"]) == 64 and f["size"] > 0 for f in manifest["files"])
-    assert manifest["format_version"] == 2 and manifest["world_size"] == 2
+    assert manifest["format_version"] == 3 and manifest["world_size"] == 2
     assert [f["path"] for f in manifest["files"]] == [f"gen-0/{name}" for name in names]
 
 
@@ -100,7 +105,7 @@ def test_a_writer_of_a_generation_that_moved_on_never_overwrites_a_file_a_manife
 def test_shards_written_from_each_ranks_own_share_load_back_to_the_whole_state(run):
     model, optimizer = _model_and_optimizer()
     extra = {"strided": torch.arange(12.0).reshape(3, 4).t(), "half": torch.arange(5, dtype=torch.bfloat16),
-             "count": torch.tensor(7)}
+             "count": torch.tensor(7), "complex": torch.tensor([1 + 2j, 3j])}  # complex: stored as bytes
     states = {"model": state_of(model), "optimizer": state_of(optimizer), "extra": extra}
     progress = {"step": 5, "cursor": {"epoch": 0, "consumed": 40, "seed": 0}}
     reports = []
@@ -218,32 +223,73 @@ def test_a_verified_checkpoint_still_catches_a_file_truncated_after_verify(run):
         checkpoint.load_state()
 
 
-def test_a_checkpoint_cannot_run_code_when_loaded(run, tmp_path):
-    _save(run, 2, world_size=1)
+def _write_listed(run, step, files, format_version):
+    """A checkpoint of `files` (name -> bytes) as a writer of `format_version` left it."""
+    folder = checkpoint_storage(run, step)
+    run.fs.create_dir(folder.root, recursive=True)
+    for name, data in files.items():
+        folder.write_bytes(name, data)
+    listed = [{"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+              for name, data in files.items()]
+    write_manifest(run, {"step": step, "cursor": {"epoch": 0, "consumed": 8 * step, "seed": 0}}, len(files), listed, {})
+    path = run.path(f"{step_dir(step)}/manifest.json")
+    manifest = json.loads(open(path).read())
+    open(path, "w").write(json.dumps({**manifest, "format_version": format_version}))
+    return folder
+
+
+@pytest.mark.parametrize("format_version", [2, 3])
+def test_a_checkpoint_cannot_run_code_when_loaded(run, tmp_path, format_version):
     marker = tmp_path / "pwned"
 
     class Exploit:
         def __reduce__(self):
             return (open, (str(marker), "w"))
 
-    folder = checkpoint_storage(run, 2)
-    payload = io.BytesIO()
-    torch.save({"chunks": {}, "structure": Exploit()}, payload, pickle_module=pickle)
-    data = payload.getvalue()
-    folder.write_bytes(shard_name(0, 1), data)
-    manifest_files = [{"name": shard_name(0, 1), "size": len(data), "sha256": __import__("hashlib").sha256(data).hexdigest()}]
-    write_manifest(run, {"step": 2, "cursor": {"epoch": 0, "consumed": 0, "seed": 0}}, 1, manifest_files, {})
+    if format_version == 2:  # the structure in a torch.save shard
+        payload = io.BytesIO()
+        torch.save({"chunks": {}, "structure": Exploit()}, payload, pickle_module=pickle)
+        name, data = "shard-00000-of-00001.pt", payload.getvalue()
+    else:  # the structure in a safetensors shard's metadata
+        name, data = shard_name(0, 1), b"".join(tensor_file.encode({"float32": [torch.ones(2)]}, Exploit()))
+    folder = _write_listed(run, 2, {name: data}, format_version)
     with pytest.raises(pickle.UnpicklingError):
         Checkpoint.from_path(folder.root).load_state()
     assert not marker.exists()
 
 
+def test_a_checkpoint_of_format_version_2_still_loads(run):
+    # Format 2 wrote each shard with torch.save, under the name ending in .pt.
+    model, optimizer = _model_and_optimizer()
+    states = {"model": state_of(model), "optimizer": state_of(optimizer)}
+    snapshot = take_snapshot(states, {"step": 7, "cursor": {"epoch": 0, "consumed": 56, "seed": 0}})
+    files = {}
+    for rank in range(2):
+        shard = io.BytesIO()
+        torch.save({"format_version": 2, "rank": rank, "world_size": 2,
+                    "chunks": {k: v.clone() for k, v in shard_chunks(snapshot, rank, 2).items()},
+                    "structure": snapshot.structure if rank == 0 else None}, shard)
+        files[f"shard-{rank:05d}-of-00002.pt"] = shard.getvalue()
+    folder = _write_listed(run, 7, files, 2)
+    state = Checkpoint.from_path(folder.root).load_state()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(state["model"][name], tensor)
+    assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def test_every_shard_is_a_safetensors_file_any_safetensors_reader_opens(run):
+    model, _ = _save(run, 4, world_size=2)
+    flat = torch.cat([t.reshape(-1) for t in model.state_dict().values()])
+    read = [safetensors.torch.load_file(run.path(f"{step_dir(4)}/gen-0/{shard_name(rank, 2)}")) for rank in range(2)]
+    assert torch.equal(torch.cat([shard["float32"] for shard in read])[: flat.numel()], flat)
+
+
 def test_an_incompatible_format_version_names_the_mismatch(run):
     _save(run, 3)
     path = run.path(f"{step_dir(3)}/manifest.json")
-    text = open(path).read().replace('"format_version": 2', '"format_version": 99')
+    text = open(path).read().replace('"format_version": 3', '"format_version": 99')
     open(path, "w").write(text)
-    with pytest.raises(CheckpointError, match="format_version 99, this elastic reads 1, 2"):
+    with pytest.raises(CheckpointError, match="format_version 99, this elastic reads 1, 2, 3"):
         Checkpoint.from_path(run.path(step_dir(3)))
 
 

@@ -6,14 +6,16 @@ for the share) and a background thread writes its shard: rank r of W writes the 
 each flat dtype buffer, so the copy and the write are spread over all ranks. Rank 0's shard
 also holds the structure, and rank 0 writes the user's own files and the directory it last
 reported with `elastic.report(checkpoint=...)` (under `reported/`, see `elastic.checkpoint.reported`).
-torch.save streams a shard straight into its file, hashed on the way; on a local disk every
-file is fsynced before it is reported, and the manifest before older checkpoints are deleted. When the controller has heard
-of every shard, it writes `manifest.json`, listing each file's size and sha256, the step,
-world size, data cursor and format version. A folder without a valid manifest whose files
-all match is not a checkpoint, for any reader. `verify` hashes every file once; the
-`Checkpoint` it returns remembers that, so loading it checks only sizes (a checkpoint made
-any other way is hashed as it loads). Loading uses `torch.load(weights_only=True)`:
-storage is shared, and a checkpoint must never be able to run code.
+A shard is a safetensors file (`elastic.checkpoint.tensor_file`) written straight from the
+snapshot's buffers, with no pickling and no copy; its sha256 is taken from the same memory
+while a helper thread writes it, and on a local disk every file is fsynced before it is
+reported, and the manifest before older checkpoints are deleted. When the controller has heard
+of every shard, it writes `manifest.json`, listing each file's size and sha256, the step, world
+size, data cursor and format version. A folder without a valid manifest whose files all match is not a checkpoint,
+for any reader. `verify` hashes every file once; the `Checkpoint` it returns remembers that,
+so loading it checks only sizes (a checkpoint made any other way is hashed as it loads).
+Loading runs no code: safetensors for the tensors, `torch.load(weights_only=True)` for the
+small structure, and for the `torch.save` shards of format versions 1 and 2, which still load.
 
 In a run of replicas each place of a replica holds state of its own, so each is a part of its
 own, `<part>/`, whose shards the replicas write as ranks write a plain run's: replica r of R
@@ -42,25 +44,25 @@ from typing import Any, Callable, Iterator
 import pyarrow.fs as pafs
 import torch
 
+from elastic.checkpoint import tensor_file
 from elastic.checkpoint.reported import write_directory
 from elastic.checkpoint.storage import RunStorage
 from elastic.comm.flat_state import describe, gather, numel, unflatten
 from elastic.data.order import share_bounds
 from elastic.errors import ElasticError
 
+# 3: shards are safetensors files (`tensor_file`); 1 and 2 wrote them with torch.save (".pt").
 # 2: each file lies under the folder of the generation that wrote it (its manifest entry's
 # "path"), so a writer cut off from a generation that moved on never overwrites a listed file.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1 kept every file at its name
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 1 kept every file at its name
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 USER_FILES = "user"
 REPORTED = "reported"  # the directory rank 0 reported with elastic.report(checkpoint=...)
 OPTIMIZER_SHARDS = "optimizer-shards"
 WHOLE = -1  # in a sliced part's model, the cut dimension of a tensor every part holds whole
-# A large write is hashed and written in pieces of this size: small enough that the hash and the
-# write read a piece while it is still in the CPU cache.
-HASH_PIECE_BYTES = 8 << 20
+LEGACY_SUFFIX = ".pt"  # the torch.save shards of format versions 1 and 2
 
 
 class CheckpointError(ElasticError):
@@ -72,7 +74,7 @@ def step_dir(step: int) -> str:
 
 
 def shard_name(rank: int, world_size: int) -> str:
-    return f"shard-{rank:05d}-of-{world_size:05d}.pt"
+    return f"shard-{rank:05d}-of-{world_size:05d}{tensor_file.SUFFIX}"
 
 
 def join_parts(models: list[dict[str, Any]]) -> dict[str, Any]:
@@ -109,7 +111,7 @@ class Part:
 
 def optimizer_shard_name(rank: int, world_size: int) -> str:
     """The file of rank's part of a sharded (ZeRO) optimizer state."""
-    return f"{OPTIMIZER_SHARDS}/{rank:05d}-of-{world_size:05d}.pt"
+    return f"{OPTIMIZER_SHARDS}/{rank:05d}-of-{world_size:05d}{tensor_file.SUFFIX}"
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ def take_snapshot(states: dict[str, Any], progress: dict[str, Any], rank: int = 
 
 
 def shard_chunks(snapshot: Snapshot, rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """Rank's slice of every dtype buffer, each a tensor of its own (torch.save writes a view's whole storage)."""
+    """Rank's slice of every dtype buffer."""
     if (snapshot.rank, snapshot.world_size) == (rank, world_size):
         return dict(snapshot.buffers)
     if snapshot.world_size != 1:
@@ -150,7 +152,7 @@ def shard_chunks(snapshot: Snapshot, rank: int, world_size: int) -> dict[str, to
     chunks = {}
     for dtype, buffer in snapshot.buffers.items():
         start, stop = share_bounds(buffer.numel(), world_size, rank)
-        chunks[dtype] = buffer[start:stop].clone()
+        chunks[dtype] = buffer[start:stop]
     return chunks
 
 
@@ -247,9 +249,17 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint {self.path} holds no sharded optimizer state: it was written "
                                   "without Strategy(zero=1, 2 or 3); resume it with the same strategy")
         if wanted is not None:
-            writers = [tuple(int(n) for n in name.split("/")[-1].removesuffix(".pt").split("-of-")) for name in names]
+            writers = [tuple(int(n) for n in name.split("/")[-1].split(".")[0].split("-of-")) for name in names]
             names = [name for name, (rank, size) in zip(names, writers) if wanted(rank, size)] or names[:1]
-        return [torch.load(io.BytesIO(self._read(self._entry(name))), weights_only=True) for name in names]
+        pieces = []
+        for name in names:
+            data = self._read(self._entry(name))
+            if name.endswith(LEGACY_SUFFIX):
+                pieces.append(torch.load(io.BytesIO(data), weights_only=True))
+            else:
+                buffers, structure = tensor_file.decode(data)
+                pieces.append(unflatten(structure, buffers))
+        return pieces
 
     @property
     def parts(self) -> list[str]:
@@ -268,14 +278,11 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint {self.path} has no part {part!r}: it was written {written}; resume it "
                                   "with the replica shape of the run that wrote it, or load one of its parts with "
                                   "load_state(part)")
-        if part:
-            prefix = f"{part}/shard-"
-            names = sorted(e["name"] for e in self.manifest["files"] if e["name"].startswith(prefix))
-        else:
-            names = [shard_name(rank, self.world_size) for rank in range(self.world_size)]
-        shards = [torch.load(io.BytesIO(self._read(self._entry(name))), weights_only=True) for name in names]
-        buffers = {dtype: torch.cat([s["chunks"][dtype] for s in shards]) for dtype in shards[0]["chunks"]}
-        payload = unflatten(shards[0]["structure"], buffers)
+        prefix = f"{part}/shard-" if part else "shard-"
+        names = sorted(e["name"] for e in self.manifest["files"] if e["name"].startswith(prefix))
+        shards = [_read_shard(name, self._read(self._entry(name))) for name in names]
+        buffers = {dtype: torch.cat([chunks[dtype] for chunks, _ in shards]) for dtype in shards[0][0]}
+        payload = unflatten(shards[0][1], buffers)
         return {**payload["state"], "progress": payload["progress"]}
 
     def model_state_dict(self) -> dict[str, Any]:
@@ -297,6 +304,14 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint(step={self.step}, path={self.path!r})"
+
+
+def _read_shard(name: str, data: bytes) -> tuple[dict[str, torch.Tensor], Any]:
+    """(the shard's chunk of each dtype buffer, the structure or None) of a shard file."""
+    if name.endswith(LEGACY_SUFFIX):
+        shard = torch.load(io.BytesIO(data), weights_only=True)
+        return shard["chunks"], shard["structure"]
+    return tensor_file.decode(data)
 
 
 def _check_size(entry: dict[str, Any], size: int) -> None:
@@ -410,22 +425,25 @@ class CheckpointWriter:
             self.run.fs.create_dir(folder.root, recursive=True)
             index, count = (part.index, part.count) if part else (rank, world_size)
             chunks = shard_chunks(snapshot, index, count)
-            payload = {"format_version": FORMAT_VERSION, "rank": index, "world_size": count, "chunks": chunks,
-                       "structure": snapshot.structure if index == 0 else None}
+            shard = tensor_file.encode({dtype: [chunk] for dtype, chunk in chunks.items()},
+                                       snapshot.structure if index == 0 else None,
+                                       {"format_version": str(FORMAT_VERSION), "rank": str(index),
+                                        "world_size": str(count)})
             crash_after = sum(c.numel() * c.element_size() for c in chunks.values()) // 2 if crash_midway else None
             name = f"{part.name}/{shard_name(index, count)}" if part else shard_name(rank, world_size)
 
-            def write(name: str, fill: Callable[[Any], Any], crash_after: int | None = None) -> None:
-                report["files"].append(write_file(folder, name, fill, crash_after, generation_path(generation, name)))
+            def write(name: str, pieces: list[Any], crash_after: int | None = None) -> None:
+                report["files"].append(write_file(folder, name, pieces, crash_after, generation_path(generation, name)))
 
-            write(name, lambda out: torch.save(payload, out), crash_after)
+            write(name, shard, crash_after)
             if optimizer_shard is not None:
-                write(optimizer_shard_name(rank, world_size), lambda out: torch.save(optimizer_shard, out))
+                structure, tensors = describe(optimizer_shard)
+                write(optimizer_shard_name(rank, world_size), tensor_file.encode(tensors, structure))
             if rank == 0:
                 for name, data in user_files.items():
-                    write(f"{USER_FILES}/{name}", lambda out, data=data: out.write(data))
+                    write(f"{USER_FILES}/{name}", [data])
                 for name, data in reported_files.items():
-                    write(f"{REPORTED}/{name}", lambda out, data=data: out.write(data))
+                    write(f"{REPORTED}/{name}", [data])
                 report["metadata"] = metadata
         except Exception as exc:  # any storage error: the checkpoint stays incomplete, training goes on
             report["error"] = f"{type(exc).__name__}: {exc}"
@@ -443,66 +461,49 @@ def generation_path(generation: int, name: str) -> str:
     return f"gen-{generation}/{name}"
 
 
-def write_file(folder: RunStorage, name: str, fill: Callable[[Any], Any],
+def write_file(folder: RunStorage, name: str, pieces: list[Any],
                crash_after: int | None = None, path: str | None = None) -> dict[str, Any]:
-    """Write file `name` (at `path`, by default the name) with `fill(stream)` and make it durable;
-    its manifest entry (name, path, size, sha256).
+    """Write file `name` (at `path`, by default the name), the `pieces` end to end, and make it
+    durable; its manifest entry (name, path, size, sha256).
 
-    The bytes go from `fill` to storage as they come, hashed on the way: a shard is never
-    held serialized in memory. `crash_after` is the injected fault: the process dies like a
+    A helper thread hands the pieces to storage as they are and fsyncs a local file, while this
+    one takes the sha256 of the same memory (both let go of the GIL): with a free core the hash
+    costs no time of its own, and where the disk or the network is the bottleneck it hides
+    behind the fsync or the upload. `crash_after` is the injected fault: the process dies like a
     crash once that many bytes have reached storage.
     """
     relative = path or name
     if "/" in relative:
         folder.fs.create_dir(folder.path(relative.rsplit("/", 1)[0]), recursive=True)
     path = folder.path(relative)
+    views = [memoryview(piece).cast("B") for piece in pieces]
+    sha256 = hashlib.sha256()
     local = isinstance(folder.fs, pafs.LocalFileSystem)
-    with ThreadPoolExecutor(1, thread_name_prefix="elastic-checkpoint-hash") as hasher:
-        # A local file is written with Python's own I/O: it lets go of the GIL while it writes, so
-        # the hash runs meanwhile (measured: pyarrow's local stream does not), and it can fsync.
-        with (open(path, "wb") if local else folder.fs.open_output_stream(path)) as out:
-            stream = _HashedStream(out, hasher, crash_after)
-            fill(stream)
-            if local:
-                out.flush()
-                os.fsync(out.fileno())
-    return {"name": name, "path": relative, "size": stream.size, "sha256": stream.sha256.hexdigest()}
+    # A local file is written with Python's own I/O, which can fsync.
+    with (open(path, "wb") if local else folder.fs.open_output_stream(path)) as out:
+        with ThreadPoolExecutor(1, thread_name_prefix="elastic-checkpoint-write") as writer:
+            written = writer.submit(_write_pieces, out, views, crash_after, local)
+            for view in views:
+                sha256.update(view)
+            size = written.result()
+    return {"name": name, "path": relative, "size": size, "sha256": sha256.hexdigest()}
 
 
-class _HashedStream:
-    """The file-like object a file is written to: counts and hashes the bytes on their way to `out`.
-
-    A large write goes in pieces, each hashed on the helper thread while this one writes it,
-    so on a machine with a free core the hash costs little more than the write.
-    """
-
-    def __init__(self, out: Any, hasher: ThreadPoolExecutor, crash_after: int | None) -> None:
-        self.out = out
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-        self._hasher = hasher
-        self._crash_after = crash_after
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        if self._crash_after is not None and self.size + len(view) >= self._crash_after:
-            self.out.write(view[: self._crash_after - self.size])
-            self.out.flush()
+def _write_pieces(out: Any, views: list[memoryview], crash_after: int | None, local: bool) -> int:
+    """Write `views` to `out`, fsynced when `local`; the bytes written. A remote stream's
+    background uploads finish when it is closed."""
+    size = 0
+    for view in views:
+        if crash_after is not None and size + len(view) >= crash_after:
+            out.write(view[: crash_after - size])
+            out.flush()
             os._exit(1)
-        if len(view) <= HASH_PIECE_BYTES:
-            self.sha256.update(view)
-            self.out.write(view)
-        else:
-            for begin in range(0, len(view), HASH_PIECE_BYTES):
-                piece = view[begin : begin + HASH_PIECE_BYTES]
-                hashed = self._hasher.submit(self.sha256.update, piece)
-                self.out.write(piece)
-                hashed.result()  # pieces are hashed in order, and `data` may be freed once write returns
-        self.size += len(view)
-        return len(view)
-
-    def flush(self) -> None:
-        self.out.flush()
+        out.write(view)
+        size += len(view)
+    if local:
+        out.flush()
+        os.fsync(out.fileno())
+    return size
 
 
 def _fsync(fs: pafs.FileSystem, path: str) -> None:
