@@ -7,8 +7,8 @@ each flat dtype buffer, so the copy and the write are spread over all ranks. Ran
 also holds the structure, and rank 0 writes the user's own files and the directory it last
 reported with `elastic.report(checkpoint=...)` (under `reported/`, see `elastic.checkpoint.reported`).
 A shard is a safetensors file (`elastic.checkpoint.tensor_file`) written straight from the
-snapshot's buffers, with no pickling and no copy; its sha256 is taken from the same memory
-while a helper thread writes it, and on a local disk every file is fsynced before it is
+snapshot's buffers, with no pickling and no copy; a helper thread takes its sha256 from the same
+memory, part by part, while the part is written, and on a local disk every file is fsynced before it is
 reported, and the manifest before older checkpoints are deleted. When the controller has heard
 of every shard, it writes `manifest.json`, listing each file's size and sha256, the step, world
 size, data cursor and format version. A folder without a valid manifest whose files all match is not a checkpoint,
@@ -63,6 +63,10 @@ REPORTED = "reported"  # the directory rank 0 reported with elastic.report(check
 OPTIMIZER_SHARDS = "optimizer-shards"
 WHOLE = -1  # in a sliced part's model, the cut dimension of a tensor every part holds whole
 LEGACY_SUFFIX = ".pt"  # the torch.save shards of format versions 1 and 2
+# A file is hashed and written in parts of this size: small enough that the hash and the write
+# read a part while it is still in the CPU cache (hashing a whole shard while another thread
+# writes it was slower: each read it from memory on its own).
+HASH_PART_BYTES = 8 << 20
 
 
 class CheckpointError(ElasticError):
@@ -466,10 +470,9 @@ def write_file(folder: RunStorage, name: str, pieces: list[Any],
     """Write file `name` (at `path`, by default the name), the `pieces` end to end, and make it
     durable; its manifest entry (name, path, size, sha256).
 
-    A helper thread hands the pieces to storage as they are and fsyncs a local file, while this
-    one takes the sha256 of the same memory (both let go of the GIL): with a free core the hash
-    costs no time of its own, and where the disk or the network is the bottleneck it hides
-    behind the fsync or the upload. `crash_after` is the injected fault: the process dies like a
+    The pieces go to storage as they are, in parts of HASH_PART_BYTES, each hashed on a helper
+    thread while this one writes it (both let go of the GIL): with a free core the hash costs
+    little more than the write. `crash_after` is the injected fault: the process dies like a
     crash once that many bytes have reached storage.
     """
     relative = path or name
@@ -477,33 +480,27 @@ def write_file(folder: RunStorage, name: str, pieces: list[Any],
         folder.fs.create_dir(folder.path(relative.rsplit("/", 1)[0]), recursive=True)
     path = folder.path(relative)
     views = [memoryview(piece).cast("B") for piece in pieces]
+    parts = [view[start:start + HASH_PART_BYTES] for view in views for start in range(0, len(view), HASH_PART_BYTES)]
     sha256 = hashlib.sha256()
-    local = isinstance(folder.fs, pafs.LocalFileSystem)
-    # A local file is written with Python's own I/O, which can fsync.
-    with (open(path, "wb") if local else folder.fs.open_output_stream(path)) as out:
-        with ThreadPoolExecutor(1, thread_name_prefix="elastic-checkpoint-write") as writer:
-            written = writer.submit(_write_pieces, out, views, crash_after, local)
-            for view in views:
-                sha256.update(view)
-            size = written.result()
-    return {"name": name, "path": relative, "size": size, "sha256": sha256.hexdigest()}
-
-
-def _write_pieces(out: Any, views: list[memoryview], crash_after: int | None, local: bool) -> int:
-    """Write `views` to `out`, fsynced when `local`; the bytes written. A remote stream's
-    background uploads finish when it is closed."""
     size = 0
-    for view in views:
-        if crash_after is not None and size + len(view) >= crash_after:
-            out.write(view[: crash_after - size])
+    local = isinstance(folder.fs, pafs.LocalFileSystem)
+    # A local file is written with Python's own I/O: it lets go of the GIL while it writes, so
+    # the hash runs meanwhile (measured: pyarrow's local stream does not), and it can fsync.
+    with (open(path, "wb") if local else folder.fs.open_output_stream(path)) as out, \
+            ThreadPoolExecutor(1, thread_name_prefix="elastic-checkpoint-hash") as hasher:
+        for part in parts:
+            hashed = hasher.submit(sha256.update, part)
+            if crash_after is not None and size + len(part) >= crash_after:
+                out.write(part[: crash_after - size])
+                out.flush()
+                os._exit(1)
+            out.write(part)
+            size += len(part)
+            hashed.result()
+        if local:
             out.flush()
-            os._exit(1)
-        out.write(view)
-        size += len(view)
-    if local:
-        out.flush()
-        os.fsync(out.fileno())
-    return size
+            os.fsync(out.fileno())
+    return {"name": name, "path": relative, "size": size, "sha256": sha256.hexdigest()}
 
 
 def _fsync(fs: pafs.FileSystem, path: str) -> None:
