@@ -66,6 +66,7 @@ QUOTED_KEYS = {
         "techniques.comm_bytes_per_step_ratio.diloco_h8",
         "steady_step_ratio_vs_torch_with_ray",
         "steady_step_ratio_vs_torch",
+        "steady_step_overhead_us",
         "report_every_step_ratio",
         "elastic_recovery_s",
         "checkpoint_stall_ratio_500mb",

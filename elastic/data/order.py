@@ -19,6 +19,7 @@ Everything here is pure and needs no Ray.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
@@ -29,7 +30,7 @@ from torch.utils.data import TensorDataset, default_collate
 # Indices of a map-style dataset that form one block of the epoch order: contiguous indices
 # stay together inside a window, which keeps a lazy dataset's reads local.
 MAP_STYLE_BLOCK = 4096
-# Window permutations an EpochOrder keeps (each `shuffle_window` int64s).
+# Windows whose sample ids an EpochOrder keeps (each about `shuffle_window` int64s).
 KEPT_WINDOWS = 4
 
 
@@ -91,33 +92,41 @@ class EpochOrder:
         window_of_block = self._block_starts // window
         first_of_window = numpy.flatnonzero(numpy.diff(window_of_block, prepend=-1))
         self._window_starts = self._block_starts[first_of_window]
-        self._windows: dict[int, numpy.ndarray] = {}  # the permutation of recently used windows
+        # Where each window starts and, last, where the epoch ends, as ints for bisect.
+        self._window_bounds = [*self._window_starts.tolist(), self.num_samples]
+        self._windows: dict[int, numpy.ndarray] = {}  # the ids of recently used windows (`_window_ids`)
 
     def ids(self, start: int, stop: int) -> torch.Tensor:
         """Sample ids at positions [start, stop) of the epoch."""
-        positions = numpy.arange(start, stop, dtype=numpy.int64)
         if not self._shuffle:
-            return torch.from_numpy(positions)
-        windows = numpy.searchsorted(self._window_starts, positions, side="right") - 1
-        out = numpy.empty_like(positions)
-        for w in numpy.unique(windows).tolist():
-            here = windows == w
-            shuffled = self._window(w)[positions[here] - self._window_starts[w]] + self._window_starts[w]
-            block = numpy.searchsorted(self._block_starts, shuffled, side="right") - 1
-            out[here] = self._first_ids[block] + (shuffled - self._block_starts[block])
-        return torch.from_numpy(out)
+            return torch.arange(start, stop, dtype=torch.int64)
+        # The positions run through the windows in order: each window's part is a slice of its
+        # ids, copied so that the caller owns them. One numpy call a window on each step's path.
+        parts = []
+        position = start
+        w = bisect.bisect_right(self._window_bounds, start) - 1
+        while position < stop:
+            first, end = self._window_bounds[w], min(stop, self._window_bounds[w + 1])
+            parts.append(self._window_ids(w)[position - first:end - first])
+            position, w = end, w + 1
+        if len(parts) == 1:
+            return torch.from_numpy(parts[0].copy())
+        return torch.from_numpy(numpy.concatenate(parts or [numpy.empty(0, dtype=numpy.int64)]))
 
-    def _window(self, w: int) -> numpy.ndarray:
-        permutation = self._windows.get(w)
-        if permutation is None:
-            first = int(self._window_starts[w])
-            stop = int(self._window_starts[w + 1]) if w + 1 < len(self._window_starts) else self.num_samples
-            permutation = torch.randperm(stop - first, generator=_generator(self._key + w + 1)).numpy()
+    def _window_ids(self, w: int) -> numpy.ndarray:
+        """The sample ids at window w's positions, in order: its positions permuted, then each
+        mapped to its block's sample."""
+        ids = self._windows.get(w)
+        if ids is None:
+            first, stop = self._window_bounds[w], self._window_bounds[w + 1]
+            shuffled = torch.randperm(stop - first, generator=_generator(self._key + w + 1)).numpy() + first
+            block = numpy.searchsorted(self._block_starts, shuffled, side="right") - 1
+            ids = self._first_ids[block] + (shuffled - self._block_starts[block])
             # Keep the last few windows used: a step may straddle a boundary, and prefetch
             # threads read steps of the next windows meanwhile. Replaced whole, not mutated,
             # because those threads read it at the same time.
-            self._windows = dict(list(self._windows.items())[-(KEPT_WINDOWS - 1):]) | {w: permutation}
-        return permutation
+            self._windows = dict(list(self._windows.items())[-(KEPT_WINDOWS - 1):]) | {w: ids}
+        return ids
 
 
 def _generator(key: int) -> torch.Generator:
