@@ -22,6 +22,7 @@ from elastic.config import DataConfig
 from elastic.controller.signals import PREPARE_SLACK_STEPS
 from elastic.worker.context import TrainContext, _set_current
 from elastic.worker.mailbox import GenerationMailbox
+from gloo_processes import START_METHOD
 
 pytestmark = pytest.mark.timeout(120)
 MAX_STEPS = 20
@@ -90,7 +91,7 @@ def _member(rank, world_size, port, backend, results):
 def _run(world_size, backend):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     results = mp.Manager().dict()
-    mp.start_processes(_member, args=(world_size, store.port, backend, results), nprocs=world_size, start_method="spawn")
+    mp.start_processes(_member, args=(world_size, store.port, backend, results), nprocs=world_size, start_method=START_METHOD)
     return [results[r] for r in range(world_size)]
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elastic.comm.group import PEER_ABORT_MARKER, GradientAllReduce, is_peer_failure, leave_group
+from gloo_processes import START_METHOD
 
 pytestmark = pytest.mark.timeout(120)
 WORLD_SIZE = 3
@@ -54,7 +55,7 @@ def _member(rank, port, results):
 def test_an_abort_frees_an_all_reduce_blocked_on_a_silent_peer_and_the_group_is_left_at_once():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     results = mp.Manager().dict()
-    mp.start_processes(_member, args=(store.port, results), nprocs=WORLD_SIZE, start_method="spawn")
+    mp.start_processes(_member, args=(store.port, results), nprocs=WORLD_SIZE, start_method=START_METHOD)
     for rank in range(WORLD_SIZE):
         if rank == SILENT_RANK:
             continue

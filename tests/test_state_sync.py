@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elastic.comm.state_sync import sync_state
+from gloo_processes import START_METHOD
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,7 +47,7 @@ def _member(rank, port, steps, results):
 def test_the_most_advanced_rank_broadcasts_model_optimizer_and_progress(steps, source):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     results = mp.Manager().dict()
-    mp.start_processes(_member, args=(store.port, steps, results), nprocs=2, start_method="spawn")
+    mp.start_processes(_member, args=(store.port, steps, results), nprocs=2, start_method=START_METHOD)
     (src0, progress0, digest0, counter0), (src1, progress1, digest1, counter1) = results[0], results[1]
     assert src0 == src1 == source
     assert progress0 == progress1 == {"step": steps[source], "cursor": {"epoch": source, "consumed": steps[source]}}

@@ -21,6 +21,7 @@ from elastic.comm.group import (
 from elastic.controller.fake_group import FakeWorkerGroup
 from elastic.controller.protocol import Status
 from elastic.controller.signals import Abort, Forget, Offer
+from gloo_processes import START_METHOD
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,7 +142,7 @@ def _two_generations(process, port):
 
 def test_the_keys_forgotten_are_every_key_a_real_gloo_generation_left():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    mp.start_processes(_two_generations, args=(store.port,), nprocs=2, start_method="spawn")
+    mp.start_processes(_two_generations, args=(store.port,), nprocs=2, start_method=START_METHOD)
     assert store.num_keys() == 2 * len(generation_keys(0, 2, "gloo"))
     assert forget_generation(store, 0, 2, "gloo") == len(generation_keys(0, 2, "gloo"))
     assert forget_generation(store, 1, 2, "gloo") == len(generation_keys(1, 2, "gloo"))
