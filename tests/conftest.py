@@ -91,7 +91,7 @@ def pytest_unconfigure(config):
     results to the controlling process over a channel that the exit could cut before it is
     flushed. A crash in a worker's finalization comes after it reported and does not change the
     run's status: a test that registers a segfault at exit (ctypes.string_at(0) in atexit) ends
-    with status 0 under `-n 2` and 139 in one process. The four workers of two full runs on
+    with status 0 under `-n 2` and 139 in one process. The six workers of three full runs on
     2026-12-03 exited normally, with no segfault in the kernel's log."""
     status = config.stash.get(_EXIT_STATUS, None)
     if status is None or hasattr(config, "workerinput"):
