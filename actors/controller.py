@@ -301,7 +301,7 @@ class Controller:
                 worker_id, me, self.spec.data, self.spec.run.checkpoint_config, self.storage, self.spec.faults,
                 self.spec.scaling.use_gpu, num_cpus, self.spec.strategy,
                 ReplicaShape.of(self.spec.scaling), worker_id % size,
-                measure_links=config.straggler_factor is not None,
+                straggler_check=config.straggler_factor is not None,
             )
             self.handles[worker_id] = handle
             asyncio.ensure_future(self._watch(worker_id, handle))

@@ -9,11 +9,11 @@ outstanding: if this process dies, the controller learns it from that call at on
 
 from __future__ import annotations
 
-import collections
 import inspect
 import os
 import socket
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -32,8 +32,8 @@ from elastic.faults import Fault
 from elastic.parallel.replicas import ReplicaShape
 from elastic.worker.context import TrainContext, _set_current
 from elastic.worker.mailbox import GenerationMailbox
+from elastic.worker.reports import REPORT_INTERVAL_S, ReportQueue
 
-REPORT_FLUSH_INTERVAL_S = 0.2
 # `with step` and ctx.between_steps() heal a peer's death; one that reaches here came from a
 # collective the train loop called outside both.
 PEER_FAILURE_OUTSIDE_STEP = (
@@ -58,12 +58,13 @@ class Worker:
         strategy: Strategy,
         shape: ReplicaShape,
         slot: int,
-        measure_links: bool = False,
+        straggler_check: bool = False,
     ) -> None:
         torch.set_num_threads(max(1, int(num_cpus)))
         self.worker_id = worker_id
         self._controller = controller
-        self._reports: collections.deque = collections.deque()
+        # Without the straggler check only replica 0's reports reach the controller (elastic.worker.reports).
+        self._reports = ReportQueue(every_rank=straggler_check, replica_size=shape.size)
         self.mailbox = GenerationMailbox(
             on_waiting=lambda: controller.worker_ready.remote(worker_id, self.info()),
             on_broken=lambda g: controller.group_broken.remote(worker_id, g),
@@ -72,13 +73,13 @@ class Worker:
         # Both calls block their (background or dying) caller until the controller has the news.
         writer = CheckpointWriter(storage, on_written=lambda report: ray.get(controller.shard_written.remote(worker_id, report)))
         self.ctx = TrainContext(
-            data_config, self.mailbox, faults, self._reports.append, use_gpu, checkpoint_config, writer,
+            data_config, self.mailbox, faults, self._reports.add, use_gpu, checkpoint_config, writer,
             on_fault=self._on_fault, strategy=strategy, shape=shape, slot=slot,
             latest_checkpoint=lambda: ray.get(controller.latest_checkpoint_of_run.remote()),
         )
         self.binds = ""  # set when the run starts (elastic.comm.binding)
         self.address = ""  # this node's, which its peers' connections see
-        self._measure_links = measure_links  # only a straggler check reads them (find_slow_link)
+        self._straggler_check = straggler_check  # it reads every rank's compute and links (find_slow_link)
         self._stop = threading.Event()
         threading.Thread(target=self._flush_loop, daemon=True, name="elastic-reports").start()
 
@@ -104,8 +105,8 @@ class Worker:
                 "traceback": traceback.format_exc(),
             }
         finally:
-            # Waits, so the controller has every report before it sees the outcome.
-            self._flush(wait=True)
+            # Waits, so the controller has the reports it gets before it sees the outcome.
+            self._flush(final=True)
             _set_current(None)
 
     def _on_fault(self, fault: Fault) -> None:
@@ -162,19 +163,18 @@ class Worker:
         self.mailbox.close(reason)
 
     def _flush_loop(self) -> None:
-        while not self._stop.wait(REPORT_FLUSH_INTERVAL_S):
+        while not self._stop.wait(REPORT_INTERVAL_S):
             self._flush()
 
-    def _flush(self, wait: bool = False) -> None:
-        items = []
-        while self._reports:
-            items.append(self._reports.popleft())
+    def _flush(self, final: bool = False) -> None:
+        """Send the reports due (`ReportQueue.take`); `final` sends all and waits for the controller."""
+        items = self._reports.take(self.ctx.rank, self.ctx.world_size, time.time(), final)
         if items:
-            links = self._links_sample() if self._measure_links else None
+            links = self._links_sample() if self._straggler_check else None
             if links:
                 items.append(links)
             sent = self._controller.ingest.remote(self.worker_id, items)
-            if wait:
+            if final:
                 ray.get(sent)
 
     def _links_sample(self) -> dict[str, Any] | None:

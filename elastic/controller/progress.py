@@ -1,7 +1,9 @@
 """Progress of a run: the controller's tally of committed steps.
 
-Workers report each committed step (its duration and world size) and the user's metrics in
-batches; `ProgressTracker` folds them into the step count, throughput, productive time (for
+Replica 0's ranks (rank 0 in a plain data-parallel run) report each committed step (its duration
+and world size) and the user's metrics in batches (the other ranks only with the straggler check:
+`elastic.worker.reports`);
+`ProgressTracker` folds them into the step count, throughput, productive time (for
 goodput) and the latest metrics. The driver shows them with `elastic.journal.display`. For the straggler
 check it keeps each worker's own compute per step and what its connections sent to each peer
 (`elastic.comm.links.GroupLinks.traffic`), as link rates over the last steps.
@@ -52,7 +54,9 @@ class ProgressTracker:
                     for old in sorted(recent)[:-COMPUTE_HISTORY]:
                         del recent[old]
                 self.reported_step = item["step"] + 1
-                # Every rank reports the same committed step; count it once, from the first report.
+                # Replica 0's ranks report the same committed step, a rank joining replica 0 sends
+                # again the steps it held, and with the straggler check every rank reports them:
+                # count each once, from the first report.
                 if item["step"] + 1 > self.step:
                     self.step = item["step"] + 1
                     self.productive_s += item["step_s"]

@@ -1,0 +1,94 @@
+"""Which of a worker's step and metrics reports go to the controller, and when.
+
+Every rank of a generation commits the same steps with the same global batch, so replica 0's
+reports already carry the run's per-step figures (step count, step time, throughput, goodput,
+the latest metrics, which are the lowest reporting rank's) and the time of its last committed
+step, which the hang and reach deadlines are measured from. Replica 0 is rank 0 in a plain
+data-parallel run, ranks 0 to S-1 with replicas of S workers (a pipeline's loss is reported by
+its last stage). One call per worker every 0.2 s instead cost the controller a core at a few
+hundred workers. So (`ReportQueue.take`):
+
+- the ranks of replica 0 send what they hold every REPORT_INTERVAL_S, as every rank did before;
+- another rank keeps its last HOLD_S of reports and sends nothing. When it joins replica 0 (a
+  rank of it died), it sends those first: they cover the steps the dead rank committed but never
+  sent, and the controller counts each step once;
+- with the straggler check on (`every_rank`), which compares each rank's own compute time,
+  every other rank sends all it holds every `interval_s(W)` = max(REPORT_INTERVAL_S,
+  W / REPORT_CALLS_PER_S) seconds, at a phase set by its rank, so that their calls reach the
+  controller evenly spread, at most REPORT_CALLS_PER_S a second at any world size W.
+
+So the controller gets 5 calls a second per worker of a replica whatever W, plus
+REPORT_CALLS_PER_S with the straggler check (docs/architecture.md, "Scale, on paper").
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from typing import Any
+
+REPORT_INTERVAL_S = 0.2
+# The other ranks' calls a second, all together, when the straggler check needs each rank's compute.
+REPORT_CALLS_PER_S = 100
+# How far back from its newest report a rank outside replica 0 keeps its reports: far more than
+# replica 0's interval, so that it holds whatever a rank it replaces committed and had not sent.
+HOLD_S = 5.0
+
+
+def interval_s(world_size: int) -> float:
+    """How often each rank outside replica 0 sends its reports when every rank must: its share
+    of REPORT_CALLS_PER_S, never more often than replica 0."""
+    return max(REPORT_INTERVAL_S, world_size / REPORT_CALLS_PER_S)
+
+
+class ReportQueue:
+    """A worker's reports, from the train thread (`add`) to the controller (`take`)."""
+
+    def __init__(self, every_rank: bool, replica_size: int = 1) -> None:
+        self.every_rank = every_rank
+        self.replica_size = replica_size
+        self._new: collections.deque = collections.deque()  # appended by the train thread
+        self._held: collections.deque = collections.deque()
+        self._next_at: float | None = None  # when this rank sends next (every_rank)
+        self._lock = threading.Lock()  # the report thread and the run's final flush both take
+
+    def add(self, item: dict[str, Any]) -> None:
+        self._new.append(item)
+
+    def take(self, rank: int, world_size: int, now: float, final: bool = False) -> list[dict[str, Any]]:
+        """The reports to send now, by the rule above, at this worker's current `rank` in a
+        generation of `world_size`; `final` when its train loop ended (every rank that sends at
+        all sends everything it holds)."""
+        with self._lock:
+            while self._new:
+                self._held.append(self._new.popleft())
+            if 0 <= rank < self.replica_size or (self.every_rank and (final or self._due(rank, world_size, now))):
+                items = list(self._held)
+                self._held.clear()
+                return items
+            if not self.every_rank:
+                # Counted back from its newest report, not from now: a heal can take longer.
+                while self._held and self._held[0]["time"] < self._held[-1]["time"] - HOLD_S:
+                    self._held.popleft()
+            return []
+
+    def _due(self, rank: int, world_size: int, now: float) -> bool:
+        """At this rank's turns (`next_turn`). Its first is scheduled once it is in a generation,
+        and a change of W takes effect after the turn already scheduled, so neither a start nor a
+        heal sends a burst."""
+        if rank < 0:
+            return False  # in no generation: it has no steps to report
+        due = self._next_at is not None and now >= self._next_at
+        if self._next_at is None or due:
+            self._next_at = next_turn(rank, world_size, now)
+        return due
+
+
+def next_turn(rank: int, world_size: int, now: float) -> float:
+    """When rank `rank` of `world_size` next sends, after `now`, when every rank reports: once
+    per `interval_s`, at the (rank / W)th part of it, so that the ranks' calls are spread evenly."""
+    every = interval_s(world_size)
+    turn = every * rank / world_size
+    at = turn + every * (math.floor((now - turn) / every) + 1)
+    return at if at > now else at + every  # (now - turn) / every rounded down below a whole number
