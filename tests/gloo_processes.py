@@ -24,9 +24,10 @@ def join(store: dist.TCPStore, generation: int, rank: int, world_size: int) -> N
                             world_size=world_size, timeout=timedelta(seconds=60))
 
 
-# The processes start from a fork server that imported torch and elastic once (a child of this
-# process before it ran any Ray or torch thread, so forking it is safe), instead of each importing
-# them anew as a spawned process does: ~2 s of CPU a process on 2 cores.
+# The processes are forked from a fork server that imported torch and elastic once (a fresh
+# interpreter, started like a spawned process, that runs no Ray or torch thread, so forking it is
+# safe), instead of each importing them anew as a spawned process does: ~2 s of CPU a process on
+# 2 cores.
 START_METHOD = "forkserver"
 mp.set_forkserver_preload(["torch", "torch.distributed", "elastic", "workloads"])
 

@@ -91,9 +91,8 @@ class EpochOrder:
         self._block_starts = numpy.cumsum(self._sizes) - self._sizes
         window_of_block = self._block_starts // window
         first_of_window = numpy.flatnonzero(numpy.diff(window_of_block, prepend=-1))
-        self._window_starts = self._block_starts[first_of_window]
         # Where each window starts and, last, where the epoch ends, as ints for bisect.
-        self._window_bounds = [*self._window_starts.tolist(), self.num_samples]
+        self._window_bounds = [*self._block_starts[first_of_window].tolist(), self.num_samples]
         self._windows: dict[int, numpy.ndarray] = {}  # the ids of recently used windows (`_window_ids`)
 
     def ids(self, start: int, stop: int) -> torch.Tensor:
