@@ -17,14 +17,15 @@ MAX_STEPS = 10 * STEPS_PER_EPOCH
 pytestmark = pytest.mark.timeout(180)
 
 
-def _fit(tmp_path, name, faults, failure=FailureConfig(), sleep_s=0.0, hold=None):
-    """`hold`: (step, condition): the loop is held again after `step` until `condition(events)`."""
+def _fit(tmp_path, name, faults, failure=FailureConfig(), compute_s=0.0, hold=None):
+    """`compute_s`: each step's compute, slept inside the step; `hold`: (step, condition): the
+    loop is held again after `step` until `condition(events)`."""
     # Held after step 0 until both workers started: a start that formed without a slow one
     # takes it in by step 3, so the fault on rank 1 finds it.
     gates = [(hold[0], str(tmp_path / f"{name}-held"))] if hold else []
     return fit_held(ElasticTrainer(
         regression_loop,
-        train_loop_config={"max_steps": MAX_STEPS, "sleep_s": sleep_s, "gate": (0, str(tmp_path / f"{name}-started")),
+        train_loop_config={"max_steps": MAX_STEPS, "compute_s": compute_s, "gate": (0, str(tmp_path / f"{name}-started")),
                            "gates": gates},
         scaling_config=ScalingConfig(min_workers=1, max_workers=2),
         run_config=RunConfig(name=name, storage_path=str(tmp_path), failure_config=failure),
@@ -89,7 +90,10 @@ def test_what_a_worker_given_up_on_sends_later_is_refused_and_journaled(local_ra
 
 def test_a_straggler_is_evicted_when_the_policy_is_on_and_the_run_shrinks(local_ray, tmp_path):
     failure = FailureConfig(straggler_factor=3, straggler_steps=5)
-    result = _fit(tmp_path, "straggler", [Fault(kind="slow", rank=1, step=10, factor=8)], failure, sleep_s=0.01)
+    # The slow rank's steps take 8 times its compute. A compute of 10 ms, slept inside the step,
+    # keeps the ratio above 3 on a loaded machine: the MLP's own 2 ms, with the sleep outside the
+    # step, let rank 0's noise bring one of any 5 steps under 3 (a CI run at -n 2 evicted no one).
+    result = _fit(tmp_path, "straggler", [Fault(kind="slow", rank=1, step=10, factor=8)], failure, compute_s=0.01)
     [evicted] = result.events_of("worker_failed")
     assert evicted["kind"] == "straggler" and evicted["rank"] == 1
     assert any(e["action"] == "EVICT" and "straggler_factor=3" in e["reason"] for e in result.events_of("decision"))
