@@ -317,6 +317,7 @@ _SYNC_OPTIONS = {
     "local_sgd": {"every": int},
     "diloco": {"every": int, "outer_lr": float, "outer_momentum": float},
     "easgd": {"every": int, "alpha": float},
+    "stale": {"bound": int},
 }
 _SYNC_DEFAULTS = {"diloco": {"outer_lr": 0.7, "outer_momentum": 0.9}, "easgd": {"alpha": 0.1}}
 _COMPRESSION_OPTIONS = {"none": {}, "fp16": {}, "bf16": {}, "powersgd": {"rank": int, "start_iter": int}}
@@ -357,7 +358,9 @@ class Strategy(_Frozen):
         "every H steps. 'diloco:every=H,outer_lr=0.7,outer_momentum=0.9': every H steps an outer Nesterov SGD "
         "steps on the averaged difference from the last sync. 'easgd:every=H,alpha=0.1': every H steps each rank "
         "and a shared center move toward each other by alpha times their difference; the center is the model "
-        "checkpointed and returned. Rescales happen only at those syncs."
+        "checkpointed and returned. Rescales happen only at those syncs. 'stale:bound=S': each step's gradient "
+        "all-reduce runs while the next S steps compute, and the optimizer steps with the averaged gradient of S "
+        "steps ago (stale-synchronous; S=0 is DDP); a death rolls back to the complete state S steps back."
     )
 
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = Field(
@@ -385,6 +388,8 @@ class Strategy(_Frozen):
     @model_validator(mode="after")
     def _check(self) -> "Strategy":
         kind = parse_sync(self.sync)["kind"]
+        if kind == "stale":
+            self._check_stale()
         if kind != "ddp" and self.compression != "none":
             raise ValueError(f"compression={self.compression!r} acts on DDP's per-step gradient all-reduce, which "
                              f"sync={self.sync!r} does not do; use one or the other")
@@ -404,6 +409,21 @@ class Strategy(_Frozen):
             raise ValueError(f"precision='fp16' needs every rank to skip the same overflowing steps, which only "
                              f"sync='ddp' guarantees; use precision='bf16' with sync={self.sync!r}")
         return self
+
+    def _check_stale(self) -> None:
+        """The combinations stale synchrony refuses: each would break its exact rollback."""
+        if self.zero:
+            raise ValueError(f"zero={self.zero} with sync={self.sync!r} is not built: a death rolls every rank back "
+                             "to a whole copy of the model and optimizer kept S steps behind, which ZeRO's shards "
+                             "(resharded at every heal) do not keep; use one or the other")
+        if self.compression != "none":
+            raise ValueError(f"compression={self.compression!r} with sync={self.sync!r} is not built: it hooks DDP's "
+                             "all-reduce, and stale synchrony all-reduces each step's whole gradient itself; use one "
+                             "or the other")
+        if self.precision == "fp16":
+            raise ValueError(f"precision='fp16' with sync={self.sync!r} is not built: the loss scaler would judge a "
+                             "step's overflow on this rank's own gradient, while the optimizer steps with the "
+                             "average of S steps ago; use precision='bf16'")
 
     @property
     def sync_options(self) -> dict[str, Any]:
@@ -432,10 +452,16 @@ def parse_compression(text: str) -> dict[str, Any]:
 
 def parse_sync(text: str) -> dict[str, Any]:
     """'diloco:every=8,outer_lr=0.5' -> {"kind": "diloco", "every": 8, "outer_lr": 0.5, "outer_momentum": 0.9}."""
-    usage = "'ddp', 'local_sgd:every=H', 'diloco:every=H[,outer_lr=X][,outer_momentum=X]' or 'easgd:every=H[,alpha=X]'"
+    usage = ("'ddp', 'local_sgd:every=H', 'diloco:every=H[,outer_lr=X][,outer_momentum=X]', "
+             "'easgd:every=H[,alpha=X]' or 'stale:bound=S'")
     parsed = _parse_options("sync", text, _SYNC_OPTIONS, usage)
     kind = parsed["kind"]
     if kind == "ddp":
+        return parsed
+    if kind == "stale":
+        if parsed.get("bound", -1) < 0:
+            raise ValueError(f"sync {text!r} needs bound=S with S >= 0, the steps a gradient may be late, "
+                             "e.g. 'stale:bound=2'")
         return parsed
     if "every" not in parsed or parsed["every"] < 1:
         raise ValueError(f"sync {text!r} needs every=H with H >= 1 steps between syncs, e.g. '{kind}:every=8'")

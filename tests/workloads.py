@@ -240,11 +240,13 @@ def tensor_parallel_loop(config: dict) -> dict:
 
 
 def plain_reference(max_steps: int, global_batch: int = GLOBAL_BATCH, build=None, optimizer=None, seed: int = 0,
-                    dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+                    dtype: torch.dtype = torch.float64, stale: int | None = None) -> dict[str, torch.Tensor]:
     """The model (`build()`, by default `pipeline_loop`'s) trained by one process on each step's
     whole global batch, in the run's sample order (elastic's own loader at world size 1, with the
     run's data seed), by `optimizer(parameters)` (by default `pipeline_loop`'s AdamW). The same
-    math at any world size makes it every fault-free and faulty run's reference, at no Ray cost."""
+    math at any world size makes it every fault-free and faulty run's reference, at no Ray cost.
+    With `stale` = S, stale synchrony's: each step applies the gradient of S steps before, none in
+    the first S, and the last step every one left."""
     from elastic.config import DataConfig
     from elastic.data.loader import Loader
     from elastic.data.order import DataCursor
@@ -255,12 +257,22 @@ def plain_reference(max_steps: int, global_batch: int = GLOBAL_BATCH, build=None
     model = (build or build_pipeline_mlp)()
     optimizer = (optimizer or (lambda parameters: torch.optim.AdamW(parameters, lr=0.01)))(model.parameters())
     cursor = DataCursor(seed=seed)
-    for _ in range(max_steps):
+    params, late = list(model.parameters()), []
+    for step in range(max_steps):
         (loaded,) = loader.step(cursor, 1, 0)
         x, y = loaded.data
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
+        if stale is None:
+            optimizer.step()
+        else:
+            late.append([p.grad.clone() for p in params])
+            due = late[:max(0, len(late) - stale)] if step < max_steps - 1 else late
+            late = late[len(due):]
+            for gradients in due:
+                for p, g in zip(params, gradients):
+                    p.grad = g
+                optimizer.step()
         cursor = loader.advance(cursor)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -274,12 +286,13 @@ def regression_optimizer(parameters, config: dict) -> torch.optim.Optimizer:
 
 def regression_reference(max_steps: int, seed: int, global_batch: int = GLOBAL_BATCH, **config) -> dict:
     """What `regression_loop` returns for a fault-free run of its `config` (hidden, dtype,
-    optimizer, lr, momentum) and data seed ("params" and "final_loss"), computed by one process
+    optimizer, lr, momentum, stale: the bound of `Strategy(sync="stale:bound=S")`) and data seed ("params" and "final_loss"), computed by one process
     (`plain_reference`)."""
     torch_dtype = getattr(torch, config.get("dtype", "float64"))
     hidden = config.get("hidden", 32)
     params = plain_reference(max_steps, global_batch, lambda: build_mlp(hidden, torch_dtype),
-                             lambda parameters: regression_optimizer(parameters, config), seed, torch_dtype)
+                             lambda parameters: regression_optimizer(parameters, config), seed, torch_dtype,
+                             config.get("stale"))
     model = build_mlp(hidden, torch_dtype)
     model.load_state_dict(params)
     with torch.no_grad():

@@ -10,7 +10,10 @@ compression, powersgd, zero, local_sgd). The points:
   (and EASGD's ranks restart from the center), per-rank state is averaged over the ranks that
   held it, ZeRO's shards are resharded;
 - a checkpoint: which state is written (local SGD: its last sync's; EASGD: the center as the
-  model), with per-rank state averaged so that every rank's slice fits the others'.
+  model; stale synchrony: its complete state of S steps back), with per-rank state averaged so
+  that every rank's slice fits the others';
+- a step boundary and a planned switch: stale synchrony keeps its complete state S steps
+  behind, and waits for the reductions in flight before a switch.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from elastic.techniques.local_sgd import Backup, OuterSync
 from elastic.techniques.powersgd import PowerSGD
 from elastic.techniques.precision import Precision
 from elastic.techniques.shard_plan import ShardPosition
+from elastic.techniques.stale import StaleSync
 from elastic.techniques.zero import ShardedOptimizer
 
 
@@ -52,6 +56,7 @@ class Techniques:
         # What DDP's gradient hook does to each bucket (PowerSGD once the model is prepared).
         self.codec: GradientCompression | PowerSGD = GradientCompression(casting)
         self.outer: OuterSync | None = None  # local SGD / DiLoCo / EASGD
+        self.stale: StaleSync | None = None  # stale-synchronous all-reduce
         self.zero: ShardedOptimizer | None = None  # ZeRO-1
         self.sharded: Any = None  # ZeRO-2/3: a FullyShardedModel
         self.backup = Backup()  # local SGD's state at its last sync
@@ -71,8 +76,11 @@ class Techniques:
 
             self.sharded = FullyShardedModel(model, self.strategy.zero, self.strategy.zero_replicas)
             objects["model"] = ShardedBuffers(self.sharded)  # the parameters are sharded, not synced whole
-        if self.strategy.sync_options["kind"] != "ddp":
-            self.outer = objects["outer_sync"] = OuterSync(self.strategy.sync_options, model, self._max_steps)
+        sync = self.strategy.sync_options
+        if sync["kind"] == "stale":
+            self.stale = objects["stale"] = StaleSync(sync["bound"], model, self._max_steps)
+        elif sync["kind"] != "ddp":
+            self.outer = objects["outer_sync"] = OuterSync(sync, model, self._max_steps)
         options = self.strategy.compression_options
         if options["kind"] == "powersgd":
             self.codec = objects["powersgd"] = PowerSGD(list(model.parameters()), options["rank"],
@@ -93,10 +101,17 @@ class Techniques:
         self._optimizer = optimizer
         return optimizer
 
+    def hook_optimizer(self, optimizer: torch.optim.Optimizer, where: Callable[[], tuple[int, int]],
+                       launch: Callable[[torch.Tensor], torch.futures.Future]) -> None:
+        """Stale synchrony's hooks on the prepared optimizer's steps (`StaleSync.adopt`)."""
+        if self.stale is not None:
+            self.stale.adopt(optimizer, where, launch)
+
     @property
     def replaces_ddp(self) -> bool:
-        """Local SGD syncs parameters itself, ZeRO-2/3 reduce-scatters gradients in FSDP2: no DDP."""
-        return self.outer is not None or self.sharded is not None
+        """Local SGD syncs parameters itself, stale synchrony all-reduces gradients itself, ZeRO-2/3
+        reduce-scatters them in FSDP2: no DDP."""
+        return self.outer is not None or self.stale is not None or self.sharded is not None
 
     @property
     def hooks_gradients(self) -> bool:
@@ -133,9 +148,20 @@ class Techniques:
         self.outer.sync(progress["step"])
         self.backup.take(objects, progress)
 
+    def at_boundary(self, objects: dict[str, Any], progress: Any) -> None:
+        """A step boundary (`progress`: the run's `Progress`): stale synchrony keeps what the step left."""
+        if self.stale is not None:
+            self.stale.at_boundary(objects, progress.to_dict())
+
+    def drain(self) -> None:
+        """Before a planned switch: stale synchrony waits for its reductions in flight; raises if a peer died."""
+        if self.stale is not None:
+            self.stale.drain()
+
     def communication(self) -> dict[str, int]:
-        outer = self.outer
-        return {"sync_bytes": self.codec.bytes_sent + (outer.bytes_sent if outer else 0),
+        outer, stale = self.outer, self.stale
+        return {"sync_bytes": self.codec.bytes_sent + (outer.bytes_sent if outer else 0)
+                + (stale.bytes_sent if stale else 0),
                 "outer_syncs": outer.syncs if outer else 0}
 
     # --- a formation ---------------------------------------------------------------------
@@ -147,6 +173,8 @@ class Techniques:
         if holds_state and self.outer is not None and self.backup.step not in (None, progress["step"]):
             restored = self.backup.restore(objects)
             rolled_back, progress = progress["step"] - restored["step"], restored
+        if holds_state and self.stale is not None:
+            progress, rolled_back = self.stale.roll_back(objects, progress)
         sharded = self.zero if self.zero is not None else self.sharded
         return Held(progress, rolled_back, {name: get() for name, (get, _) in self._per_rank().items()},
                     sharded.position if sharded is not None and holds_state else None)
@@ -171,6 +199,8 @@ class Techniques:
         if self.outer is not None:
             self.outer.start_from_center()
             self.backup.take(objects, progress)
+        if self.stale is not None:
+            self.stale.rebase(objects, progress)
 
     def _per_rank(self) -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
         """Each state a rank keeps for itself, as (get, put)."""
@@ -196,6 +226,10 @@ class Techniques:
             if progress["step"] == self._last_checkpointed:
                 return None
             states["model"] = self.outer.model_to_checkpoint(states["model"], states["outer_sync"])
+        elif self.stale is not None:
+            states, progress = self.stale.committed_state(objects, progress)  # a run resumes complete
+            if progress["step"] == self._last_checkpointed:
+                return None
         else:
             states = {name: state_of(obj) for name, obj in objects.items()}
         for name, key in self._per_rank_keys():

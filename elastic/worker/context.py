@@ -180,6 +180,7 @@ class TrainContext(ReplicaCoordinates):
         optimizer = self.stepping.optimizer = self.techniques.prepare_optimizer(optimizer, self._objects)
         optimizer.register_step_pre_hook(lambda *_: self.batching.check_weighted(self.stepping.current))
         self._prepared.prepare_optimizer(optimizer, self._objects, lambda: self.stepping.current)
+        self.techniques.hook_optimizer(optimizer, lambda: (self.step, self.world_size), self.membership.launch_average)
         optimizer.register_step_post_hook(lambda *_: self.stepping.commit())
         return optimizer
 
@@ -271,7 +272,8 @@ class TrainContext(ReplicaCoordinates):
             if self.snapshots.read_flag(heal=lambda: self._join(reason="heal", lost=0)):
                 self.snapshots.take()
             if self.mailbox.at_boundary(self.step, self.generation) is not None:
-                self._join(reason="rescale")
+                if self._healed_unless(self.techniques.drain):
+                    self._join(reason="rescale")
                 continue
             self.faults.at("step_start", self.rank, self.step, self.stepping.compute_s)
             self._random.mark()
@@ -286,8 +288,10 @@ class TrainContext(ReplicaCoordinates):
             if step.failed is not None:
                 self._join(reason="heal", lost=0 if step.committed else 1)
                 continue
-            if self.techniques.sync_due(self.step) and not self._outer_sync():
+            if self.techniques.sync_due(self.step) and not self._healed_unless(
+                    lambda: self.techniques.outer_sync(self._objects, self._progress.to_dict())):
                 continue
+            self.techniques.at_boundary(self._objects, self._progress)
             self.snapshots.after_step(max_steps)
         self.snapshots.drop_flag()
         self._keep_final_model()
@@ -307,10 +311,11 @@ class TrainContext(ReplicaCoordinates):
         if self.rank == 0:
             self.final_model = whole
 
-    def _outer_sync(self) -> bool:
-        """Local SGD's sync after an interval's last step; False if a peer died in it (healed)."""
+    def _healed_unless(self, collective: Callable[[], None]) -> bool:
+        """Run a technique's collective between steps (local SGD's sync, stale synchrony's wait
+        before a switch); False if a peer died in it, which this rank healed."""
         try:
-            self.techniques.outer_sync(self._objects, self._progress.to_dict())
+            collective()
         except Exception as exc:
             if not is_peer_failure(exc):
                 raise

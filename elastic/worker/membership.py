@@ -301,6 +301,13 @@ class Membership:
         self._probe.launched += 1
         future.wait()
 
+    def launch_average(self, flat: torch.Tensor) -> torch.futures.Future:
+        """Start summing a flat gradient buffer across the generation, abortable like DDP's
+        all-reduce: its future (stale synchrony waits for it steps later)."""
+        future = self._gradient_all_reduce.all_reduce(flat, self._data_group)
+        self._probe.launched += 1
+        return future
+
     def _agree(self) -> None:
         """Return once every rank of the generation averaged its gradients (see `GradientAllReduce.agree`)."""
         self._gradient_all_reduce.agree(self.store(), self._progress.step, self.spec.world_size)
