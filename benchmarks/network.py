@@ -81,6 +81,9 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "bf16_amp_fp16": {"precision": "bf16", "compression": "fp16"},
     "bf16_amp_bf16": {"precision": "bf16", "compression": "bf16"},
     "bf16_amp_powersgd_r4": {"precision": "bf16", "compression": "powersgd:rank=4,start_iter=2"},
+    "stale_s1": {"sync": "stale:bound=1"},
+    "stale_s2": {"sync": "stale:bound=2"},
+    "stale_s4": {"sync": "stale:bound=4"},
 }
 # The target-loss runs: the demo's LM, widened so that its 29 MB of gradients weigh on a 1 Gbit/s
 # link against a step's compute on one core, with short windows to keep that compute small.

@@ -283,6 +283,9 @@ def test_resuming_from_a_folder_that_is_not_a_checkpoint_fails_before_anything_s
                               r"to the center each rank moves at a sync"),
     ("easgd:every=4,alpha=1.5", r"alpha must be in \(0, 1\]"),
     ("easgd:every=4,outer_lr=1", r"easgd takes no option 'outer_lr'"),
+    ("stale", r"sync 'stale' needs bound=S with S >= 0, the steps a gradient may be late, e.g. 'stale:bound=2'"),
+    ("stale:bound=-1", r"needs bound=S with S >= 0"),
+    ("stale:every=2", r"stale takes no option 'every'"),
 ])
 def test_a_sync_spec_that_does_not_parse_is_rejected_naming_the_forms_it_takes(sync, problem):
     with pytest.raises(ValidationError, match=problem):
@@ -293,6 +296,16 @@ def test_an_easgd_spec_parses_to_its_interval_and_alpha_which_defaults_to_0_1():
     assert parse_sync("easgd:every=4,alpha=0.2") == {"kind": "easgd", "every": 4, "alpha": 0.2}
     assert parse_sync("easgd:every=8") == {"kind": "easgd", "every": 8, "alpha": 0.1}
     assert Strategy(sync="easgd:every=4,alpha=1").sync_options["alpha"] == 1.0
+
+
+def test_a_stale_spec_parses_to_its_bound_and_refuses_what_would_break_its_exact_rollback():
+    assert parse_sync("stale:bound=2") == {"kind": "stale", "bound": 2}
+    assert "every" not in Strategy(sync="stale:bound=0").sync_options  # grows land on any step
+    for fields, problem in [({"zero": 3}, r"zero=3 with sync='stale:bound=2' is not built: a death rolls every rank"),
+                            ({"compression": "bf16"}, r"compression='bf16' with sync='stale:bound=2' is not built"),
+                            ({"precision": "fp16"}, r"precision='fp16' with sync='stale:bound=2' is not built")]:
+        with pytest.raises(ValidationError, match=problem):
+            Strategy(sync="stale:bound=2", **fields)
 
 
 def test_techniques_that_do_not_combine_are_rejected_saying_why():
