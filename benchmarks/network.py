@@ -37,7 +37,9 @@ Figures, each with min, median and max over the rounds (under `spread.<key>`):
 - network.time_to_target_loss_ratio_vs_ddp: the demo's transformer LM (elastic.demo.model,
   widened so a step's gradients weigh on a 1 Gbit/s link) trained to the loss fault-free fp32
   DDP reaches at its last step; the best technique's wall time to it over DDP's
-  (--only target_loss), with the loss-over-wall-time plot in benchmarks/results/.
+  (--only target_loss), with the loss-over-wall-time plot in benchmarks/results/;
+  network.stale_time_to_target_loss_ratio_vs_ddp the same for the best `stale:bound=S` given
+  (--strategies ddp stale_s2 ...), each round's final losses beside it.
 
 The keys are merged into benchmarks/results/bench.json (or --out), keeping the others.
 """
@@ -327,7 +329,8 @@ def target_loss(args, figures: dict[str, list[float | None]], details: dict[str,
     """DDP and the candidates on the LM at 1 Gbit/s: wall time to DDP's final smoothed loss."""
     from elastic.testing import NetworkCluster
 
-    candidates = [name for name in args.strategies if name in LM_CANDIDATES] or list(LM_CANDIDATES)
+    candidates = [name for name in args.strategies if name in LM_CANDIDATES or name.startswith("stale")] or list(
+        LM_CANDIDATES)
     runs = [{"label": "ddp", "workers": args.nodes, "strategy": {}, "lm": True, "steps": LM_STEPS}] + [
         {"label": name, "workers": args.nodes, "strategy": STRATEGIES[name], "lm": True, "steps": LM_STEPS}
         for name in candidates]
@@ -343,12 +346,17 @@ def target_loss(args, figures: dict[str, list[float | None]], details: dict[str,
                       run_round(cluster, runs, Path(folder), f"lm-round-{round_index}").items()}
             target = smoothed(curves["ddp"])[-1][1]
             reached = {name: time_to(curve, target) for name, curve in curves.items()}
-            best = min((name for name in candidates if reached[name] is not None),
-                       key=lambda name: reached[name], default=None)
-            figures.setdefault("network.time_to_target_loss_ratio_vs_ddp", []).append(
-                reached[best] / reached["ddp"] if best else None)
+            # Stale synchrony has a figure of its own (issue 24), beside the best of the others.
+            best = {}
+            for key, names in (("network.time_to_target_loss_ratio_vs_ddp", [n for n in candidates if "stale" not in n]),
+                               ("network.stale_time_to_target_loss_ratio_vs_ddp", [n for n in candidates if "stale" in n])):
+                if not names:
+                    continue
+                best[key] = min((n for n in names if reached[n] is not None), key=lambda n: reached[n], default=None)
+                figures.setdefault(key, []).append(reached[best[key]] / reached["ddp"] if best[key] else None)
+            final = {name: smoothed(curve)[-1][1] for name, curve in curves.items()}
             rounds.append({"round": round_index, "load_average_1m": load, "target_loss": target,
-                           "time_to_target_s": reached, "best": best, "curves": curves})
+                           "time_to_target_s": reached, "final_loss": final, "best": best, "curves": curves})
             print(f"LM round {round_index + 1}/{args.rounds} (load {load:.1f}): target {target:.3f}; " + ", ".join(
                 f"{n} {'-' if t is None else f'{t:.1f} s'}" for n, t in reached.items()), flush=True)
     details["network_time_to_target_loss"] = {"model": LM, "steps": LM_STEPS, "rate": "1gbit",

@@ -19,8 +19,9 @@ _EXIT_STATUS = pytest.StashKey[int]()
 # the short ones instead of leaving one process to run them alone.
 LONGEST_MODULES = ("test_techniques", "test_zero", "test_failures", "test_chaos_matrix", "test_cluster",
                    "test_pipeline_runs", "test_streaming", "test_job_submit", "test_partitions", "test_resume",
-                   "test_habits", "test_chaos", "test_faults", "test_huggingface", "test_fsdp", "test_healing",
-                   "test_metrics", "test_s3", "test_links", "test_state_sync", "test_hierarchical", "test_pipeline")
+                   "test_habits", "test_stale", "test_chaos", "test_faults", "test_huggingface", "test_fsdp",
+                   "test_healing", "test_metrics", "test_s3", "test_links", "test_state_sync", "test_hierarchical",
+                   "test_pipeline")
 
 
 @pytest.fixture(scope="module")
