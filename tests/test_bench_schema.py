@@ -127,6 +127,8 @@ QUOTED_KEYS = {
         "network.unshaped.ddp.floor_fraction",
         "network.hierarchical_vs_flat_ratio",
         "network.time_to_target_loss_ratio_vs_ddp",
+        "network.1gbit.stale_s2.samples_s_ratio_vs_ddp", "network.1gbit.stale_s2.floor_fraction",
+        "network.10gbit.stale_s2.samples_s_ratio_vs_ddp",
     ),
     "scale": (
         "scaling.2.recovery_s",
