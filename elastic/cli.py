@@ -106,8 +106,8 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
                       help="ZeRO stage: 1 shards the optimizer state, 2 the gradients too, 3 the parameters too "
                       "(2 and 3 on FSDP2) (default: %(default)s)")
     demo.add_argument("--sync", default=strategy.sync, metavar="SPEC",
-                      help="ddp, local_sgd:every=H, diloco:every=H[,outer_lr=X][,outer_momentum=X] or "
-                      "easgd:every=H[,alpha=X] (default: %(default)s)")
+                      help="ddp, local_sgd:every=H, diloco:every=H[,outer_lr=X][,outer_momentum=X], "
+                      "easgd:every=H[,alpha=X] or stale:bound=S (default: %(default)s)")
     demo.add_argument("--storage-path", default=defaults.storage_path, help="where run folders go (default: %(default)s)")
     demo.add_argument("--name", default=defaults.name,
                       help="run name; an earlier run of this name is replaced (default: %(default)s)")
