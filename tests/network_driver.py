@@ -135,10 +135,11 @@ def start_full(cluster, folder: Path, name: str, pace: Pace, step_log: Path | No
 
 
 def cut_mid_step(cluster, folder: Path, pace: Pace, step_log: Path | None = None, name: str = "cut",
-                 workers: int = 3, checkpoint_every: int | None = None) -> Cut:
+                 workers: int = 3, checkpoint_every: int | None = None, strategy: dict | None = None) -> Cut:
     """A run of `workers` workers whose last rank's node is cut off inside a step, its link healed
     once the survivors healed."""
-    driver, first, node = start_full(cluster, folder, name, pace, step_log, workers, checkpoint_every=checkpoint_every)
+    driver, first, node = start_full(cluster, folder, name, pace, step_log, workers, checkpoint_every=checkpoint_every,
+                                     strategy=strategy)
     time.sleep(pace.cut_after_s)
     cut_at = time.time()
     cluster.partition(node)

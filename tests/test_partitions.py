@@ -15,12 +15,14 @@ process it started in; a run whose survivors were blamed, or that restarted, or 
 anything the cut-off worker did, fails one of those.
 
     pytest tests/test_partitions.py              # in CI: the cut at 50 ms steps, the binding
-    pytest -m soak tests/test_partitions.py      # plus: the cut at 1 s steps and at 2 workers; a cut
+    pytest -m soak tests/test_partitions.py      # plus: the cut at 1 s steps and at 2 workers, and under
+        # stale synchrony at 50 ms and 1 s steps; a cut
         # while checkpoints are written, while a heal forms, while a grow forms, and a link back
         # after 30 s and 60 s, each at 50 ms and 1 s steps; a flapping link; a slow link
         # (3 Mbit/s), and a node on a 100 Mbit/s link with and without straggler_factor
 """
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -62,9 +64,10 @@ def cuts(cluster, tmp_path_factory):
     return cut
 
 
-def _assert_same_training(outcome, pace):
-    """Completed, exactly once, and the math of one process on each whole global batch."""
-    reference = regression_reference(pace.max_steps, seed=DATA_SEED, hidden=pace.hidden, lr=pace.lr)
+def _assert_same_training(outcome, pace, stale=None):
+    """Completed, exactly once, and the math of one process on each whole global batch (each
+    applied `stale` steps late under `Strategy(sync="stale:bound=S")`)."""
+    reference = regression_reference(pace.max_steps, seed=DATA_SEED, hidden=pace.hidden, lr=pace.lr, stale=stale)
     assert outcome["step"] == pace.max_steps
     ledger = outcome["ledger"]
     assert torch.equal(ledger, torch.ones_like(ledger)), "a sample was lost or seen twice"
@@ -89,6 +92,22 @@ def test_a_worker_node_cut_off_mid_step_is_healed_around_and_no_survivor_is_blam
     [recovery] = [e for e in cut.events if e["type"] == "recovery"]
     assert not recovery["from_checkpoint"]
     assert recovery["detect_s"] > 0 and recovery["seconds"] >= recovery["detect_s"], "the recovery hides the standstill"
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("pace", [FAST, SLOW], ids=["50ms", "1s"])
+def test_stale_synchrony_heals_a_worker_node_cut_off_mid_step_exactly(cluster, tmp_path, pace):
+    # The survivors block on reductions the cut node never joins; the heal rolls them back to
+    # the complete state S steps behind, and the run still ends as if nothing had happened. At
+    # the paces' lr 0.05 with momentum 0.9, gradients two steps late diverge within 240 steps
+    # (the reference's loss reaches 1e30), so these runs take lr 0.01.
+    pace = dataclasses.replace(pace, lr=0.01)
+    cut = cut_mid_step(cluster, tmp_path, pace, name="stale-cut", strategy={"sync": "stale:bound=2"})
+    _assert_same_training(cut.outcome, pace, stale=2)
+    failed = [e for e in cut.events if e["type"] == "worker_failed"]
+    assert [(e["worker_id"], e["kind"]) for e in failed] == [(cut.victim["worker_id"], "unreachable")], failed
+    [recovery] = [e for e in cut.events if e["type"] == "recovery"]
+    assert not recovery["from_checkpoint"] and recovery["steps_lost"] >= 2, recovery
 
 
 def test_the_groups_bind_each_nodes_own_address_where_the_hostname_resolves_to_loopback(cluster, cuts):

@@ -98,7 +98,7 @@ class StaleSync:
         self.params: list[torch.Tensor] = []  # the optimizer's, in its order: the flat gradients' layout
         self.bytes_sent = 0
         self._optimizer: torch.optim.Optimizer | None = None
-        self._where: Callable[[], tuple[int, int]] = lambda: (0, 1)
+        self._where: Callable[[], tuple[int, int]] | None = None  # given by `adopt`, as is `_launch`
         self._launch: Callable[[torch.Tensor], torch.futures.Future] | None = None
         self._in_flight: collections.deque[_Reduction] = collections.deque()  # oldest first
         self._taken: collections.deque[_Step] = collections.deque()  # steps the live state took, not the base

@@ -297,9 +297,7 @@ class Membership:
     def _average(self, flat: torch.Tensor) -> None:
         """Sum a flat gradient buffer across the replicas, abortable like DDP's all-reduce."""
         self._faults.at("allreduce", self.rank, self._progress.step)
-        future = self._gradient_all_reduce.all_reduce(flat, self._data_group)
-        self._probe.launched += 1
-        future.wait()
+        self.launch_average(flat).wait()
 
     def launch_average(self, flat: torch.Tensor) -> torch.futures.Future:
         """Start summing a flat gradient buffer across the generation, abortable like DDP's
