@@ -288,9 +288,8 @@ class Controller:
 
     async def _start_workers(self, worker_ids: tuple[int, ...]) -> None:
         """Place the workers here, create their actors on a thread, then watch them here. Ray's
-        actor creation took 0.16 s a worker where the driver had imported ray.data (0.002 s
-        otherwise), and on this loop a heal's reports waited behind it: 0.29 s to heal instead of
-        0.06 s."""
+        actor creation is far slower where the driver has imported ray.data, and on this loop a
+        heal's reports waited behind it, about 0.2 s each heal."""
         try:
             created = await asyncio.to_thread(self._create_workers, self._place_workers(worker_ids))
         except BaseException as exc:
