@@ -17,6 +17,7 @@ first generation.
 
 from __future__ import annotations
 
+import ctypes
 import random
 from typing import Any
 
@@ -35,11 +36,14 @@ class RandomState:
 
     def __init__(self) -> None:
         self._mark: tuple | None = None
+        # numpy's state at a step's start; get_bit_generator, which the quick read needs, came in numpy 1.25.
+        self._read_numpy = (None if numpy is None else NumpyState().read
+                            if hasattr(numpy.random, "get_bit_generator") else numpy.random.get_state)
 
     def mark(self) -> None:
         self._mark = (torch.get_rng_state(), random.getstate(),
-                      numpy.random.get_state() if numpy is not None else None,
-                      torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+                      self._read_numpy() if self._read_numpy is not None else None,
+                      torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
 
     def rewind(self) -> None:
         if self._mark is None:
@@ -78,3 +82,45 @@ class RandomState:
             numpy.random.set_state(("MT19937", keys, values[-2], values[-1], float(state["numpy_gauss"][0])))
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(list(state["cuda"].cpu()))
+
+
+_MT19937_STATE_BYTES = 624 * 4 + ctypes.sizeof(ctypes.c_int)  # numpy's mt19937_state: uint32 key[624], int pos
+
+
+class NumpyState:
+    """numpy's global generator state (`numpy.random.get_state()`), read at every step's start
+    at a microsecond's cost while the loop does not draw from it.
+
+    `get_state` copies the 624-word key one word at a time, about 50 µs: the largest part of
+    what elastic added to a step. The same key and position are readable as raw bytes through
+    the bit generator's ctypes interface in under a microsecond. When they equal the bytes of
+    the last full read, and that read held no cached gaussian, the state is that read's: the
+    legacy gaussian is only cached by drawing, which moves the key or the position. (Only a
+    `set_state` to the same key and position with a cached gaussian would escape this.)
+    """
+
+    def __init__(self) -> None:
+        self._state: tuple | None = None
+        self._raw: bytes | None = None
+        self._generator: Any = None  # the global bit generator whose raw state `_address` points at
+        self._raw_view: Any = None  # a ctypes char array over its state; None: not an MT19937 of the layout above
+
+    def read(self) -> tuple:
+        generator = numpy.random.get_bit_generator()
+        if generator is not self._generator:
+            self._adopt(generator)
+        raw = None if self._raw_view is None else self._raw_view.raw
+        if raw is None or raw != self._raw or self._state[3]:  # [3]: has_gauss
+            # Legacy's tuple (with has_gauss) only exists for MT19937; others give their dict.
+            self._state, self._raw = numpy.random.get_state(legacy=raw is not None), raw
+        return self._state
+
+    def _adopt(self, generator: Any) -> None:
+        """Check once, against its documented state, that the new global generator has the layout read."""
+        self._generator, self._raw_view, self._raw = generator, None, None
+        if isinstance(generator, numpy.random.MT19937):
+            state = generator.state["state"]
+            expected = state["key"].astype(numpy.uint32).tobytes() + numpy.array(state["pos"], numpy.intc).tobytes()
+            view = (ctypes.c_char * _MT19937_STATE_BYTES).from_address(generator.ctypes.state_address)
+            if view.raw == expected:
+                self._raw_view = view
