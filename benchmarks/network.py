@@ -86,6 +86,8 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "stale_s1": {"sync": "stale:bound=1"},
     "stale_s2": {"sync": "stale:bound=2"},
     "stale_s4": {"sync": "stale:bound=4"},
+    "ddp_overlap": {"overlap_optimizer": True},
+    "bf16_overlap": {"compression": "bf16", "overlap_optimizer": True},
 }
 # The target-loss runs: the demo's LM, widened so that its 29 MB of gradients weigh on a 1 Gbit/s
 # link against a step's compute on one core, with short windows to keep that compute small.

@@ -362,6 +362,13 @@ class Strategy(_Frozen):
         "all-reduce runs while the next S steps compute, and the optimizer steps with the averaged gradient of S "
         "steps ago (stale-synchronous; S=0 is DDP); a death rolls back to the complete state S steps back."
     )
+    overlap_optimizer: bool = Field(
+        False, description="Step the optimizer on each of DDP's gradient buckets as soon as its all-reduce lands, "
+        "while the next buckets are still on the wire, instead of on the whole model after the last one: over a "
+        "link slower than compute the optimizer's time leaves the step. optimizer.step() then only waits. For "
+        "optimizers that update each parameter from its own gradient (SGD, Adam, AdamW); the gradients cannot be "
+        "changed between the backward and optimizer.step() (no clipping by the global norm)."
+    )
 
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = Field(
         "1f1b", description="How a replica's stages interleave the micro-batches of its share, with "
@@ -405,10 +412,24 @@ class Strategy(_Frozen):
         if self.zero >= 2 and self.compression != "none":
             raise ValueError(f"compression={self.compression!r} acts on DDP's gradient all-reduce; zero={self.zero} "
                              "reduce-scatters the gradients with FSDP2 instead: use one or the other")
+        if self.overlap_optimizer:
+            self._check_overlap(kind)
         if kind != "ddp" and self.precision == "fp16":
             raise ValueError(f"precision='fp16' needs every rank to skip the same overflowing steps, which only "
                              f"sync='ddp' guarantees; use precision='bf16' with sync={self.sync!r}")
         return self
+
+    def _check_overlap(self, kind: str) -> None:
+        """The combinations that stepping the optimizer bucket by bucket refuses."""
+        if kind != "ddp":
+            raise ValueError(f"overlap_optimizer=True steps the optimizer as DDP's per-step gradient all-reduce lands, "
+                             f"which sync={self.sync!r} does not do; use one or the other")
+        if self.zero:
+            raise ValueError(f"overlap_optimizer=True with zero={self.zero} is not built: ZeRO steps its own shards of "
+                             "the optimizer; use one or the other")
+        if self.precision == "fp16":
+            raise ValueError("overlap_optimizer=True with precision='fp16' is not built: the loss scaler must see "
+                             "every gradient for overflow before any parameter steps; use precision='bf16'")
 
     def _check_stale(self) -> None:
         """The combinations stale synchrony refuses: each would break its exact rollback."""
@@ -517,7 +538,8 @@ def check_replicas_fit(scaling: ScalingConfig, data: DataConfig, strategy: Strat
                          "replica or its data-parallel group could not be aborted when a peer dies; replicas train on "
                          "CPUs over gloo")
     others = {name: value for name, value in (("precision", strategy.precision), ("compression", strategy.compression),
-                                              ("zero", strategy.zero), ("sync", strategy.sync))
+                                              ("zero", strategy.zero), ("sync", strategy.sync),
+                                              ("overlap_optimizer", strategy.overlap_optimizer))
               if value != Strategy.model_fields[name].default}
     if others:
         given = ", ".join(f"{k}={v!r}" for k, v in others.items())

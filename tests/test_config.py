@@ -308,6 +308,17 @@ def test_a_stale_spec_parses_to_its_bound_and_refuses_what_would_break_its_exact
             Strategy(sync="stale:bound=2", **fields)
 
 
+def test_the_overlapped_optimizer_refuses_what_steps_the_optimizer_another_way():
+    assert Strategy(overlap_optimizer=True, compression="powersgd:rank=2").overlap_optimizer
+    for fields, problem in [({"sync": "local_sgd:every=4"}, r"overlap_optimizer=True steps the optimizer as DDP's "
+                             r"per-step gradient all-reduce lands, which sync='local_sgd:every=4' does not do"),
+                            ({"zero": 1}, r"overlap_optimizer=True with zero=1 is not built: ZeRO steps its own"),
+                            ({"precision": "fp16"}, r"overlap_optimizer=True with precision='fp16' is not built: the "
+                             r"loss scaler must see every gradient")]:
+        with pytest.raises(ValidationError, match=problem):
+            Strategy(overlap_optimizer=True, **fields)
+
+
 def test_techniques_that_do_not_combine_are_rejected_saying_why():
     with pytest.raises(ValidationError, match=r"compression='fp16' acts on DDP's per-step gradient all-reduce, which "
                        r"sync='local_sgd:every=4' does not do"):

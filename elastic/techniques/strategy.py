@@ -28,6 +28,7 @@ from elastic.comm.state_sync import average_over_holders, state_of
 from elastic.config import Strategy
 from elastic.techniques.compression import GradientCompression
 from elastic.techniques.local_sgd import Backup, OuterSync
+from elastic.techniques.overlap import OptimizerOverlap
 from elastic.techniques.powersgd import PowerSGD
 from elastic.techniques.precision import Precision
 from elastic.techniques.shard_plan import ShardPosition
@@ -58,6 +59,8 @@ class Techniques:
         self.outer: OuterSync | None = None  # local SGD / DiLoCo / EASGD
         self.stale: StaleSync | None = None  # stale-synchronous all-reduce
         self.zero: ShardedOptimizer | None = None  # ZeRO-1
+        # The optimizer stepped bucket by bucket as DDP's all-reduces land.
+        self.overlap = OptimizerOverlap() if strategy.overlap_optimizer else None
         self.sharded: Any = None  # ZeRO-2/3: a FullyShardedModel
         self.backup = Backup()  # local SGD's state at its last sync
         self._max_steps = max_steps
@@ -98,6 +101,8 @@ class Techniques:
         if self.precision.scaler is not None:
             objects["grad_scaler"] = self.precision.scaler
             self.precision.wrap_step(optimizer)
+        if self.overlap is not None:
+            self.overlap.adopt(optimizer)
         self._optimizer = optimizer
         return optimizer
 
@@ -115,8 +120,8 @@ class Techniques:
 
     @property
     def hooks_gradients(self) -> bool:
-        """DDP's gradient all-reduce must go through `codec`."""
-        return self.strategy.compression != "none"
+        """DDP's gradient all-reduce must go through `codec`, and then step the optimizer where it overlaps."""
+        return self.strategy.compression != "none" or self.overlap is not None
 
     @property
     def reduces_within_nodes(self) -> bool:
@@ -129,11 +134,15 @@ class Techniques:
     def committed(self) -> None:
         if isinstance(self.codec, PowerSGD):
             self.codec.commit()
+        if self.overlap is not None:
+            self.overlap.committed()
 
     def failed(self) -> None:
         """The step in flight failed and will be redone."""
         if isinstance(self.codec, PowerSGD):
             self.codec.discard()
+        if self.overlap is not None:
+            self.overlap.roll_back()
 
     def count_unhooked_sync(self) -> None:
         """DDP synced a step's gradients without the hook: it sends each gradient once."""

@@ -85,8 +85,11 @@ class DataParallelModel(PreparedModel):
         cuda = self._device.type == "cuda"
         powersgd = self._techniques.strategy.compression_options["kind"] == "powersgd"
         bucket_cap = {} if cuda or powersgd else {"bucket_cap_mb": GLOO_BUCKET_CAP_MB}
+        # Under overlap_optimizer a bucket's parameters step as its all-reduce lands: their gradients
+        # must be views of the bucket, not filled from it after the last bucket.
         ddp = DistributedDataParallel(self.returned.module, device_ids=[self._device.index] if cuda else None,
-                                      init_sync=False, **bucket_cap)
+                                      init_sync=False, gradient_as_bucket_view=self._techniques.overlap is not None,
+                                      **bucket_cap)
         if generation.comm_hook is not None:
             ddp.register_comm_hook(*generation.comm_hook)
         self.returned.ddp = ddp

@@ -322,14 +322,15 @@ def _allreduce_hook(membership, bucket):
     """DDP's all-reduce, abortable on gloo (`GradientAllReduce`), summed within each node first
     where the generation spans nodes (`HierarchicalAllReduce`), compressed by the run's
     `GradientCompression` or `PowerSGD`, with the faults that act inside it, counting the
-    buckets launched.
+    buckets launched; under `Strategy(overlap_optimizer=True)` each bucket's parameters then step.
 
-    Installed where the all-reduce must be abortable (always under the hierarchy) or compressed,
-    and wherever such faults exist.
+    Installed where the all-reduce must be abortable (always under the hierarchy), compressed or
+    followed by the optimizer's step, and wherever such faults exist.
     Unannotated on purpose: DDP rejects a hook whose annotations are strings, which
     `from __future__ import annotations` would make them.
     """
     membership._faults.at("allreduce", membership.rank, membership._progress.step)
-    future = membership._techniques.codec.all_reduce(bucket, membership._gradient_all_reduce.all_reduce)
+    techniques = membership._techniques
+    future = techniques.codec.all_reduce(bucket, membership._gradient_all_reduce.all_reduce)
     membership._probe.launched += 1
-    return future
+    return future if techniques.overlap is None else techniques.overlap.after_reduce(future, bucket)
