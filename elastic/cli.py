@@ -108,6 +108,9 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--sync", default=strategy.sync, metavar="SPEC",
                       help="ddp, local_sgd:every=H, diloco:every=H[,outer_lr=X][,outer_momentum=X], "
                       "easgd:every=H[,alpha=X] or stale:bound=S (default: %(default)s)")
+    demo.add_argument("--overlap-optimizer", action="store_true", default=strategy.overlap_optimizer,
+                      help="step the optimizer on each gradient bucket as its all-reduce lands, for links slower "
+                      "than compute")
     demo.add_argument("--storage-path", default=defaults.storage_path, help="where run folders go (default: %(default)s)")
     demo.add_argument("--name", default=defaults.name,
                       help="run name; an earlier run of this name is replaced (default: %(default)s)")
@@ -137,7 +140,8 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         pipeline_stages=args.pipeline_stages, tensor_parallel=args.tensor_parallel, min_workers=args.min_workers,
         max_workers=args.max_workers,
         steps=args.steps, faults=[f for f in injected if f is not None],
-        strategy={"precision": args.precision, "compression": args.compression, "sync": args.sync, "zero": args.zero},
+        strategy={"precision": args.precision, "compression": args.compression, "sync": args.sync, "zero": args.zero,
+                  "overlap_optimizer": args.overlap_optimizer},
     )
     try:
         config = DemoConfig(**fields)

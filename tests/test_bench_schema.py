@@ -129,6 +129,8 @@ QUOTED_KEYS = {
         "network.time_to_target_loss_ratio_vs_ddp",
         "network.1gbit.stale_s2.samples_s_ratio_vs_ddp", "network.1gbit.stale_s2.floor_fraction",
         "network.10gbit.stale_s2.samples_s_ratio_vs_ddp",
+        "network.1gbit.ddp_overlap.samples_s_ratio_vs_ddp", "network.1gbit.ddp_overlap.floor_fraction",
+        "network.1gbit.bf16_overlap.samples_s_ratio_vs_ddp",
     ),
     "scale": (
         "scaling.2.recovery_s",

@@ -64,10 +64,11 @@ class Stepping:
         if self._membership.aborted or is_peer_failure(exc):
             # Keep the message, not the exception: its traceback would keep the old DDP alive.
             step.failed = f"{type(exc).__name__}: {exc}"
-            if not step.committed and self.optimizer is not None:
-                self.optimizer.zero_grad(set_to_none=True)
             if not step.committed:
+                # The techniques first: the overlapped optimizer may still be stepping on the gradients.
                 self._techniques.failed()
+                if self.optimizer is not None:
+                    self.optimizer.zero_grad(set_to_none=True)
                 self._random.rewind()
             return True
         return False
