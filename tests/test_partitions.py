@@ -110,6 +110,17 @@ def test_stale_synchrony_heals_a_worker_node_cut_off_mid_step_exactly(cluster, t
     assert not recovery["from_checkpoint"] and recovery["steps_lost"] >= 2, recovery
 
 
+@pytest.mark.soak
+@pytest.mark.parametrize("pace", [FAST, SLOW], ids=["50ms", "1s"])
+def test_the_overlapped_optimizer_heals_a_worker_node_cut_off_mid_step_exactly(cluster, tmp_path, pace):
+    # The survivors' buckets that landed before the cut have stepped; the heal puts them back and
+    # redoes the step, so the run ends as DDP's.
+    cut = cut_mid_step(cluster, tmp_path, pace, name="overlap-cut", strategy={"overlap_optimizer": True})
+    _assert_same_training(cut.outcome, pace)
+    failed = [e for e in cut.events if e["type"] == "worker_failed"]
+    assert [(e["worker_id"], e["kind"]) for e in failed] == [(cut.victim["worker_id"], "unreachable")], failed
+
+
 def test_the_groups_bind_each_nodes_own_address_where_the_hostname_resolves_to_loopback(cluster, cuts):
     # The cut run trained across the three worker nodes (its first generation of 3; the victim's
     # replacement came later); each worker says what its groups bound.
