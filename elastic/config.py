@@ -526,6 +526,14 @@ def check_strategy_fits(strategy: Strategy, checkpoint: CheckpointConfig) -> Non
                          f"sync is checkpointed; use every_steps={every * max(1, checkpoint.every_steps // every)}")
 
 
+def check_devices_fit(scaling: ScalingConfig, strategy: Strategy) -> None:
+    """Checks between the strategy and the devices; raises ValueError."""
+    if strategy.overlap_optimizer and scaling.use_gpu:
+        raise ValueError("Strategy(overlap_optimizer=True) with use_gpu=True is not built: NCCL's future completes "
+                         "when the all-reduce is queued, and the bucket's step would have to wait on its stream; "
+                         "leave overlap_optimizer off on GPUs")
+
+
 def check_replicas_fit(scaling: ScalingConfig, data: DataConfig, strategy: Strategy) -> None:
     """Checks of a run of replicas (pipeline_stages or tensor_parallel > 1) across the three configs; raises
     ValueError."""

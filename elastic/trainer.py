@@ -23,8 +23,8 @@ import torch
 
 from elastic.checkpoint.checkpoint import Checkpoint, latest_complete
 from elastic.checkpoint.storage import RunStorage
-from elastic.config import (DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_replicas_fit,
-                            check_strategy_fits)
+from elastic.config import (DataConfig, RunConfig, ScalingConfig, Strategy, check_devices_fit, check_fits,
+                            check_replicas_fit, check_strategy_fits)
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
 from elastic.faults import Fault, check_faults
 from elastic.journal.display import ProgressDisplay
@@ -103,6 +103,7 @@ class ElasticTrainer:
         self.strategy = strategy or Strategy()
         check_strategy_fits(self.strategy, run_config.checkpoint_config)
         check_replicas_fit(scaling_config, data_config, self.strategy)
+        check_devices_fit(scaling_config, self.strategy)
         _check_faults_fire(self.faults, self.strategy)
         self.address = address or os.environ.get("RAY_ADDRESS")
         self.show_progress = show_progress

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy, parse_fault
 from elastic.checkpoint.checkpoint import Checkpoint
 from elastic.checkpoint.storage import RunStorage, StorageError
-from elastic.config import check_fits, check_replicas_fit, parse_sync
+from elastic.config import check_devices_fit, check_fits, check_replicas_fit, parse_sync
 from elastic.errors import ElasticError
 
 
@@ -317,6 +317,9 @@ def test_the_overlapped_optimizer_refuses_what_steps_the_optimizer_another_way()
                              r"loss scaler must see every gradient")]:
         with pytest.raises(ValidationError, match=problem):
             Strategy(overlap_optimizer=True, **fields)
+    with pytest.raises(ValueError, match=r"overlap_optimizer=True\) with use_gpu=True is not built: NCCL's future"):
+        check_devices_fit(ScalingConfig(min_workers=1, max_workers=2, use_gpu=True), Strategy(overlap_optimizer=True))
+    check_devices_fit(ScalingConfig(min_workers=1, max_workers=2, use_gpu=True), Strategy())
 
 
 def test_techniques_that_do_not_combine_are_rejected_saying_why():

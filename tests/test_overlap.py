@@ -1,5 +1,6 @@
 """The optimizer stepped bucket by bucket as DDP's all-reduces land (`OptimizerOverlap`), in real
-gloo processes without Ray: it computes the optimizer's own step over the whole model, and a step
+gloo processes without Ray: it computes the optimizer's own step over the whole model (two param
+groups, an LR schedule made after it was adopted, a parameter no bucket carries), and a step
 that fails after some buckets stepped is put back exactly, parameters and optimizer state."""
 
 import copy
@@ -30,10 +31,25 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(64, 1)).double()
 
 
-def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+def _extra() -> torch.nn.Parameter:
+    """A parameter the optimizer holds beyond the DDP model, in a loss term alike on every rank:
+    no bucket carries it, so `optimizer.step()` steps it itself."""
+    return torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+
+
+def _optimizer(model: torch.nn.Module, extra: torch.nn.Parameter) -> torch.optim.Optimizer:
     # Two groups with different hyperparameters: a bucket's step must keep each parameter's own.
     first, *rest = model.parameters()
-    return torch.optim.AdamW([{"params": [first], "lr": 0.01}, {"params": rest, "lr": 0.03, "weight_decay": 0.1}])
+    return torch.optim.AdamW([{"params": [first], "lr": 0.01},
+                              {"params": [*rest, extra], "lr": 0.03, "weight_decay": 0.1}])
+
+
+def _schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor, extra: torch.nn.Parameter) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output, target) + 0.1 * (extra ** 2).sum()
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,29 +58,32 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(8 * WORLD_SIZE, 1, generator=generator, dtype=torch.float64))
 
 
-def _state(model, optimizer) -> dict:
-    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+def _state(model, optimizer, extra) -> dict:
+    return {"params": {**{k: v.detach().clone() for k, v in model.state_dict().items()}, "extra": extra.detach().clone()},
             "optimizer": copy.deepcopy(optimizer.state_dict()["state"])}
 
 
 def _reference() -> dict:
-    model = _model()
-    optimizer = _optimizer(model)
+    model, extra = _model(), _extra()
+    optimizer = _optimizer(model, extra)
+    schedule = _schedule(optimizer)
     for step in range(STEPS):
         x, y = _batch(step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        _loss(model(x), y, extra).backward()
         optimizer.step()
         optimizer.zero_grad()
-    return _state(model, optimizer)
+        schedule.step()
+    return _state(model, optimizer, extra)
 
 
 def _member(rank, port, results):
     store = client(port)
     join(store, 0, rank, WORLD_SIZE)
-    module = _model()
-    optimizer = _optimizer(module)
+    module, extra = _model(), _extra()
+    optimizer = _optimizer(module, extra)
     overlap = OptimizerOverlap()
     overlap.adopt(optimizer)
+    schedule = _schedule(optimizer)  # made after adopt, as a train loop makes it after prepare_optimizer
     collectives = GradientAllReduce(generation=0, abortable=True)
     buckets, step_now, before_failed, partial = {}, [0], None, None
 
@@ -84,12 +103,12 @@ def _member(rank, port, results):
         x, y = _batch(step)
         share = slice(rank * 8, (rank + 1) * 8)
         if step == FAILED_STEP and before_failed is None:
-            before_failed = _state(module, optimizer)
+            before_failed = _state(module, optimizer, extra)
         try:
-            torch.nn.functional.mse_loss(ddp(x[share]), y[share]).backward()
+            _loss(ddp(x[share]), y[share], extra).backward()
         except RuntimeError:
-            assert overlap.wait(), "no bucket of the failed step stepped"
-            partial = _state(module, optimizer)
+            overlap.wait()  # the first bucket's step has run
+            partial = _state(module, optimizer, extra)
             optimizer.zero_grad(set_to_none=True)
             overlap.roll_back()
             # The heal: a new generation's all-reduce and DDP, and the step redone.
@@ -97,14 +116,15 @@ def _member(rank, port, results):
             ddp = DistributedDataParallel(module, gradient_as_bucket_view=True, bucket_cap_mb=BUCKET_CAP_MB)
             ddp.register_comm_hook(None, hook)
             step_now[0] = -1
-            results[f"rolled_back/{rank}"] = _state(module, optimizer)
+            results[f"rolled_back/{rank}"] = _state(module, optimizer, extra)
             continue
         optimizer.step()
         overlap.committed()
         optimizer.zero_grad()
+        schedule.step()
         step += 1
     results[rank] = {"buckets": len(buckets), "before_failed": before_failed, "partial": partial,
-                     "final": _state(module, optimizer)}
+                     "final": _state(module, optimizer, extra)}
     dist.destroy_process_group()
 
 

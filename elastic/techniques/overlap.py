@@ -8,8 +8,9 @@ wire: the step becomes forward + all-reduce + the last bucket's share of the opt
 `_hook_then_optimizer` does this for its functional optimizers; this one steps the run's own
 optimizer, whose state heals and checkpoints as before).
 
-What the train loop sees: `optimizer.step()` waits for the buckets' steps, then runs the
-optimizer's hooks over an empty step (so the step still commits where it did). Gradients are
+What the train loop sees: `optimizer.step()` waits for the buckets' steps, then steps the
+parameters no bucket carried and runs the optimizer's hooks (so the step still commits where
+it did; a post hook sees only those parameters in `param_groups`). Gradients are
 DDP's bucket views (`gradient_as_bucket_view`), so a bucket's parameters read the averaged
 gradient the moment its all-reduce lands.
 
@@ -20,18 +21,25 @@ one extra pass over the parameters and the optimizer state per step, on the same
 the link is busy.
 
 Correct for optimizers that update each parameter from its own gradient and state (SGD, Adam,
-AdamW, RMSprop...). Anything the loop does to the gradients between the backward and
-`optimizer.step()` (clipping by the global norm, say) comes too late: the buckets have stepped.
+AdamW, RMSprop...) and write nothing into their param groups while stepping. Anything the loop
+does to the gradients between the backward and `optimizer.step()` (clipping by the global norm,
+skipping a step on a bad loss) comes too late: the buckets have stepped. On GPUs it is refused
+for now: NCCL's future completes when the all-reduce is queued, and the bucket step would need
+to wait on its stream.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
+import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from elastic.errors import ElasticError
 
 
 class OptimizerOverlap:
@@ -44,29 +52,38 @@ class OptimizerOverlap:
         self._lock = threading.Lock()
         self._round = 0  # bumped by a rollback: a bucket of the failed step that lands later is not stepped
         self._pending: list[Future] = []
+        self._stepped: set[torch.Tensor] = set()  # this step's parameters stepped by their buckets
         self._saved: list[tuple[list[torch.Tensor], list[dict[str, Any]]]] = []  # this step's, in stepping order
         self._copies: dict[tuple[torch.Tensor, str], torch.Tensor] = {}  # reused from step to step
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
-        """From now on `optimizer.step()` waits for the buckets' steps and steps nothing itself."""
+        """From now on `optimizer.step()` waits for the buckets' steps and steps only the rest."""
         self._optimizer = optimizer
         own_step = optimizer.step
 
-        def step(*args: Any, **kwargs: Any) -> Any:
-            stepped = self.wait()
-            if not stepped:
-                return own_step(*args, **kwargs)  # no bucket was reduced (outside a generation): a whole step
-            groups = optimizer.param_groups
-            optimizer.param_groups = []  # each bucket stepped its parameters; the hooks still run
+        def step(bound: torch.optim.Optimizer, closure: Any = None) -> Any:
+            if closure is not None:
+                raise ElasticError("optimizer.step(closure) under Strategy(overlap_optimizer=True): the buckets "
+                                   "stepped as the backward's all-reduces landed, so a closure's second backward "
+                                   "would step them again; call optimizer.step() without one")
+            self.wait()
+            groups, stepped = bound.param_groups, self._stepped
+            # The parameters no bucket carried (none at all outside a generation, or ones the
+            # optimizer holds beyond the prepared model) step here; the hooks run as always.
+            bound.param_groups = [dict(group, params=[p for p in group["params"] if p not in stepped])
+                                  for group in groups]
             try:
-                return own_step(*args, **kwargs)
+                return own_step()
             finally:
-                optimizer.param_groups = groups
+                bound.param_groups = groups
 
-        optimizer.step = step
+        # A bound method, as LR schedulers expect of `optimizer.step`.
+        optimizer.step = types.MethodType(step, optimizer)
 
     def after_reduce(self, future: torch.futures.Future, bucket: dist.GradBucket) -> torch.futures.Future:
         """Chain onto a bucket's all-reduce: once it lands, queue the step of its parameters."""
+        if self._optimizer is None:
+            return future  # no optimizer prepared: nothing to step
         round_ = self._round
 
         def landed(done: torch.futures.Future) -> torch.Tensor:
@@ -81,37 +98,48 @@ class OptimizerOverlap:
 
         return future.then(landed)
 
-    def wait(self) -> bool:
-        """Wait for the buckets queued so far; True if any stepped. Raises the first that failed."""
+    def wait(self) -> None:
+        """Wait for every bucket step queued so far; then raise the first that failed."""
         with self._lock:
             pending, self._pending = self._pending, []
+        concurrent.futures.wait(pending)
         for future in pending:
             future.result()
-        return bool(pending)
 
     def committed(self) -> None:
-        self._saved = []
+        """The step committed (its `optimizer.step()` waited already, unless the loop skipped it)."""
+        self.wait()
+        self._saved, self._stepped = [], set()
 
     def roll_back(self) -> None:
         """The step failed: stop stepping its buckets and put back those that stepped."""
         with self._lock:
             self._round += 1
             pending, self._pending = self._pending, []
-        for future in pending:
-            future.exception()  # waits; a bucket that failed to step is put back like the others
+        concurrent.futures.wait(pending)  # a bucket that failed to step is put back like the others
         with torch.no_grad():
             for params, states in reversed(self._saved):
                 for param, state in zip(params, states):
                     param.copy_(self._copies[(param, "param")])
+                    if not state:
+                        self._optimizer.state.pop(param, None)
+                        continue
                     self._optimizer.state[param] = {key: self._copies[(param, key)].clone()
                                                     if isinstance(value, torch.Tensor) else value
                                                     for key, value in state.items()}
-        self._saved = []
+        self._saved, self._stepped = [], set()
 
     def _step_bucket(self, params: list[torch.Tensor], round_: int) -> None:
         optimizer = self._optimizer
         if round_ != self._round:
             return
+        # A parameter the optimizer does not hold is left alone, as the optimizer's own step would.
+        members: dict[int, list[torch.Tensor]] = {}
+        for param in params:
+            group = self._group(param)
+            if group is not None:
+                members.setdefault(group, []).append(param)
+        params = [param for group in sorted(members) for param in members[group]]
         with torch.no_grad():
             states = []
             for param in params:
@@ -122,21 +150,19 @@ class OptimizerOverlap:
                         self._copy(param, key, value)
                 states.append(state)
         self._saved.append((params, states))
+        self._stepped.update(params)
         groups = optimizer.param_groups
-        members: dict[int, list[torch.Tensor]] = {}
-        for param in params:
-            members.setdefault(self._group(param), []).append(param)
         optimizer.param_groups = [dict(groups[i], params=ps) for i, ps in sorted(members.items())]
         try:
             type(optimizer).step.__wrapped__(optimizer)  # the optimizer's own step, without its hooks
         finally:
             optimizer.param_groups = groups
 
-    def _group(self, param: torch.Tensor) -> int:
+    def _group(self, param: torch.Tensor) -> int | None:
         group = self._group_of.get(param)
         if group is None:
             self._group_of = {p: i for i, g in enumerate(self._optimizer.param_groups) for p in g["params"]}
-            group = self._group_of[param]
+            group = self._group_of.get(param)
         return group
 
     def _copy(self, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
