@@ -34,7 +34,7 @@ import concurrent.futures
 import threading
 import types
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -67,15 +67,11 @@ class OptimizerOverlap:
                                    "stepped as the backward's all-reduces landed, so a closure's second backward "
                                    "would step them again; call optimizer.step() without one")
             self.wait()
-            groups, stepped = bound.param_groups, self._stepped
+            stepped = self._stepped
             # The parameters no bucket carried (none at all outside a generation, or ones the
             # optimizer holds beyond the prepared model) step here; the hooks run as always.
-            bound.param_groups = [dict(group, params=[p for p in group["params"] if p not in stepped])
-                                  for group in groups]
-            try:
-                return own_step()
-            finally:
-                bound.param_groups = groups
+            return _step_over(bound, [dict(group, params=[p for p in group["params"] if p not in stepped])
+                                      for group in bound.param_groups], own_step)
 
         # A bound method, as LR schedulers expect of `optimizer.step`.
         optimizer.step = types.MethodType(step, optimizer)
@@ -152,11 +148,9 @@ class OptimizerOverlap:
         self._saved.append((params, states))
         self._stepped.update(params)
         groups = optimizer.param_groups
-        optimizer.param_groups = [dict(groups[i], params=ps) for i, ps in sorted(members.items())]
-        try:
-            type(optimizer).step.__wrapped__(optimizer)  # the optimizer's own step, without its hooks
-        finally:
-            optimizer.param_groups = groups
+        # The optimizer's own step, without its hooks, over the bucket's parameters only.
+        _step_over(optimizer, [dict(groups[i], params=ps) for i, ps in sorted(members.items())],
+                   lambda: type(optimizer).step.__wrapped__(optimizer))
 
     def _group(self, param: torch.Tensor) -> int | None:
         group = self._group_of.get(param)
@@ -171,3 +165,14 @@ class OptimizerOverlap:
             self._copies[(param, key)] = value.detach().clone()
         else:
             copy.copy_(value)
+
+
+def _step_over(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], step: Callable[[], Any]) -> Any:
+    """`step()` with the optimizer's param groups narrowed to `groups` (each a copy of one of its
+    groups with fewer parameters), and its own groups put back after."""
+    whole = optimizer.param_groups
+    optimizer.param_groups = groups
+    try:
+        return step()
+    finally:
+        optimizer.param_groups = whole
