@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         report["definitions"] = {**DEFINITIONS, **PROTOCOL_DEFINITIONS}
         report["produced_by"] = [{**_provenance(_command(), time.time() - started), "keys": sorted(report)}]
         try:
-            existing = _read_report(args.out)
+            existing = read_report(args.out)
         except (OSError, ValueError) as exc:
             print(f"[bench] replacing {args.out} whole: it could not be read ({exc})", file=sys.stderr)
             existing = {}
@@ -617,7 +617,7 @@ def merge_figures(path: str, figures: dict[str, list[float | None]], details: di
     merged into the report's. `produced_by` records that `command` wrote these keys, and when.
     Returns the merged report.
     """
-    merged = _merge(_read_report(path), figures, details, definitions, _provenance(command, wall_s))
+    merged = _merge(read_report(path), figures, details, definitions, _provenance(command, wall_s))
     _write_report(path, merged)
     return merged
 
@@ -665,7 +665,8 @@ def _provenance(command: str, wall_s: float) -> dict[str, Any]:
     }
 
 
-def _read_report(path: str) -> dict[str, Any]:
+def read_report(path: str) -> dict[str, Any]:
+    """The JSON report at `path`, or {} where there is none yet."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:

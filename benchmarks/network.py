@@ -5,6 +5,7 @@ against the link's floor, on a real multi-node Ray cluster in network namespaces
     .venv/bin/python -m benchmarks.network                                    # all of it: hours
     .venv/bin/python -m benchmarks.network --nodes 2 --rates 1gbit unshaped --rounds 2
     .venv/bin/python -m benchmarks.network --strategies ddp bf16 --rounds 1 --out /tmp/network.json
+    .venv/bin/python -m benchmarks.network --only throughput --rates 10gbit --rounds 1 --add-rounds
     .venv/bin/python -m benchmarks.network --only hierarchical                # 2 nodes x 2 workers
     .venv/bin/python -m benchmarks.network --only target_loss                 # the LM's time to DDP's loss
 
@@ -41,7 +42,10 @@ Figures, each with min, median and max over the rounds (under `spread.<key>`):
   network.stale_time_to_target_loss_ratio_vs_ddp the same for the best `stale:bound=S` given
   (--strategies ddp stale_s2 ...), each round's final losses beside it.
 
-The keys are merged into benchmarks/results/bench.json (or --out), keeping the others.
+The keys are merged into benchmarks/results/bench.json (or --out), keeping the others. With
+`--add-rounds` the throughput rounds join the rounds `network_details_<rate>` already holds
+(each round keeps its date and load average), and the figures are taken over all of them: a
+third round on another day adds to the first two instead of replacing them.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ REPO = Path(__file__).resolve().parent.parent
 if __name__ == "__main__" and str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as a script inside a node's namespace (the driver)
 
-from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures, parse_rounds, print_medians  # noqa: E402
+from benchmarks.bench import (  # noqa: E402
+    DEFAULT_OUT, command_line, merge_figures, parse_rounds, print_medians, read_report)
 
 STEPS = 80
 WINDOW = (16, 79)  # committed steps whose span measures throughput
@@ -267,6 +272,9 @@ def throughput(args, figures: dict[str, list[float | None]], details: dict[str, 
     runs = [{"label": COMPUTE, "workers": 1, "strategy": {}},
             {"label": COMPUTE_TOGETHER, "workers": args.nodes, "strategy": NEVER}] + [
         {"label": name, "workers": args.nodes, "strategy": STRATEGIES[name]} for name in args.strategies]
+    earlier = read_report(args.out) if args.add_rounds else {}
+    for rate in args.rates:
+        details[f"{prefix}_details_{rate}"] = list(earlier.get(f"{prefix}_details_{rate}", []))
     with NetworkCluster(nodes=args.nodes + 1, cpus_per_node=1, head_cpus=0) as cluster, \
             tempfile.TemporaryDirectory(prefix="elastic-network-") as folder:
         for round_index in range(args.rounds):
@@ -277,23 +285,32 @@ def throughput(args, figures: dict[str, list[float | None]], details: dict[str, 
                 outcomes = run_round(cluster, runs, Path(folder), f"round-{round_index}-{rate}")
                 compute_s = outcomes.pop(COMPUTE)["step_s"]
                 together_s = outcomes.pop(COMPUTE_TOGETHER)["step_s"]
-                ddp = outcomes["ddp"]
-                for name, outcome in outcomes.items():
-                    key = f"{prefix}.{rate}.{name}"
-                    if name != "ddp":
-                        figures.setdefault(f"{key}.samples_s_ratio_vs_ddp", []).append(
-                            outcome["samples_s"] / ddp["samples_s"])
-                    figures.setdefault(f"{key}.floor_fraction", []).append(
-                        floor_fraction(outcome, compute_s, RATES[rate]))
-                    figures.setdefault(f"{key}.floor_fraction_together", []).append(
-                        floor_fraction(outcome, together_s, RATES[rate]))
-                details.setdefault(f"{prefix}_details_{rate}", []).append(
-                    {"round": round_index, "rate": rate, "load_average_1m": load, "compute_step_s": compute_s,
-                     "compute_together_step_s": together_s, "runs": outcomes})
+                kept = details[f"{prefix}_details_{rate}"]
+                kept.append({"round": len(kept), "rate": rate, "load_average_1m": load, "compute_step_s": compute_s,
+                             "compute_together_step_s": together_s, "runs": outcomes,
+                             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
                 print(f"round {round_index + 1}/{args.rounds} {rate} (load {load:.1f}, compute {compute_s * 1e3:.0f} ms, "
                       f"{together_s * 1e3:.0f} ms side by side): "
                       + ", ".join(f"{n} {o['samples_s']:.0f}/s {o['link_bytes_per_step'] / 1e6:.1f} MB"
                                   for n, o in outcomes.items()), flush=True)
+    for rate in args.rates:
+        figures.update(rate_figures(prefix, rate, details[f"{prefix}_details_{rate}"], args.strategies))
+
+
+def rate_figures(prefix: str, rate: str, rounds: list[dict[str, Any]], names: list[str]) -> dict[str, list]:
+    """The figures of `names` at `rate` over every kept round (None in a round that did not run the strategy)."""
+    figures: dict[str, list[float | None]] = {}
+    for kept in rounds:
+        runs, ddp = kept["runs"], kept["runs"]["ddp"]
+        for name in names:
+            outcome, key = runs.get(name), f"{prefix}.{rate}.{name}"
+            if name != "ddp":
+                figures.setdefault(f"{key}.samples_s_ratio_vs_ddp", []).append(
+                    None if outcome is None else outcome["samples_s"] / ddp["samples_s"])
+            for suffix, compute_s in (("", kept["compute_step_s"]), ("_together", kept["compute_together_step_s"])):
+                figures.setdefault(f"{key}.floor_fraction{suffix}", []).append(
+                    None if outcome is None else floor_fraction(outcome, compute_s, RATES[rate]))
+    return figures
 
 
 def hierarchical(args, figures: dict[str, list[float | None]], details: dict[str, Any]) -> None:
@@ -399,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--rates", nargs="+", choices=list(RATES), default=list(RATES))
         parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES))
         parser.add_argument("--only", choices=["throughput", "hierarchical", "target_loss"], default=None)
+        parser.add_argument("--add-rounds", action="store_true",
+                            help="add the throughput rounds to those --out holds at the same rates and node count, "
+                                 "the figures taken over all of them (default: replace them)")
         parser.add_argument("--png", default=str(REPO / "benchmarks" / "results" / "loss_over_time_1gbit.png"))
 
     parser, args = parse_rounds(__doc__, argv, more)

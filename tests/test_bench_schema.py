@@ -131,6 +131,8 @@ QUOTED_KEYS = {
         "network.10gbit.stale_s2.samples_s_ratio_vs_ddp",
         "network.1gbit.ddp_overlap.samples_s_ratio_vs_ddp", "network.1gbit.ddp_overlap.floor_fraction",
         "network.1gbit.bf16_overlap.samples_s_ratio_vs_ddp",
+        "network.10gbit.ddp.floor_fraction", "network.10gbit.bf16.samples_s_ratio_vs_ddp",
+        "network.10gbit.local_sgd_h32.samples_s_ratio_vs_ddp", "network.1gbit.local_sgd_h32.samples_s_ratio_vs_ddp",
     ),
     "scale": (
         "scaling.2.recovery_s",

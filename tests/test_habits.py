@@ -18,6 +18,7 @@ from elastic import CheckpointConfig, DataConfig, ElasticTrainer, RunConfig, Sca
 from elastic.checkpoint.checkpoint import Checkpoint, checkpoint_storage, verify
 from elastic.checkpoint.reported import files_to_store
 from elastic.checkpoint.storage import RunStorage
+from elastic.comm.group import GenerationSpec
 from elastic.data.order import DataCursor
 from elastic.errors import ElasticError, ReportedCheckpointError, TrainingFailedError
 from elastic.worker.context import TrainContext
@@ -251,7 +252,10 @@ def test_between_steps_inside_a_step_is_refused_because_the_step_heals_itself():
                        lambda report: None, use_gpu=False)
     with pytest.raises(ElasticError, match=r"ctx.between_steps\(\) is used inside `with step`, which heals a peer's "
                        r"death itself .*; use it outside the step"):
-        with Step(ctx, 0, DataCursor(seed=0), samples=8):
+        spec = GenerationSpec(generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
+                              store_host="127.0.0.1", store_port=0, backend="gloo", reason="start",
+                              collective_timeout_s=60)
+        with Step(ctx, spec, 0, DataCursor(seed=0), samples=8):
             ctx.between_steps()
     with pytest.raises(ElasticError, match=r"before ctx.steps\(\) formed the first generation"):
         ctx.between_steps()  # outside the step now, but no generation was ever formed

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from elastic.comm.group import GenerationSpec
 from elastic.config import DataConfig, Strategy
 from elastic.errors import ElasticError
 from elastic.parallel.pipelined_replica import concatenated
@@ -11,6 +12,11 @@ from elastic.parallel.replicas import ReplicaShape
 from elastic.parallel.tensor_parallel import mlp_plan
 from elastic.worker.context import TrainContext
 from elastic.worker.mailbox import GenerationMailbox
+
+
+# A step's generation, for the steps these tests make by hand (no generation forms in them).
+_SPEC = GenerationSpec(generation=0, rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
+                       store_host="127.0.0.1", store_port=0, backend="gloo", reason="start", collective_timeout_s=60)
 
 
 def _context(stages, tensor_parallel=1):
@@ -55,9 +61,9 @@ def test_a_pipelined_step_is_one_batch_and_a_plain_steps_are_micro_batches():
     from elastic.worker.step import Step
 
     with pytest.raises(ElasticError, match=r"use `batch = step.batch\(\)` and `model.step\(batch\)`"):
-        next(Step(_context(2), 0, DataCursor(), 8).micro_batches())
+        next(Step(_context(2), _SPEC, 0, DataCursor(), 8).micro_batches())
     with pytest.raises(ElasticError, match=r"iterate step.micro_batches\(\) and call mb.backward\(loss\) instead"):
-        Step(_context(1), 0, DataCursor(), 8).batch()
+        Step(_context(1), _SPEC, 0, DataCursor(), 8).batch()
 
 
 def test_a_pipelined_run_over_a_dataset_whose_epochs_end_short_is_refused_when_its_steps_start():
@@ -111,7 +117,7 @@ def test_a_second_backward_after_the_replicas_averaged_is_refused():
     from elastic.data.order import DataCursor
     from elastic.worker.step import MicroBatch, Step
 
-    step = Step(_context(1, 2), 0, DataCursor(), 8)
+    step = Step(_context(1, 2), _SPEC, 0, DataCursor(), 8)
     step.averaged = True
     batch = MicroBatch(data=None, indices=torch.arange(2), weight=1.0, step=step)
     with pytest.raises(ElasticError, match=r"mb.backward\(\) after the step's gradients were averaged"):

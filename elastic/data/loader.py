@@ -102,27 +102,24 @@ class Loader:
 
     def step(self, cursor: data_math.DataCursor, world_size: int, rank: int) -> list[Loaded]:
         """The micro-batches of rank's share of the step at `cursor`, and the next steps' reads started."""
-        key = (cursor.epoch, cursor.consumed, world_size, rank)
         if self._pool is None:
-            return self._read(key)
-        ready = self._ahead.pop(key, None)
-        upcoming, next_cursor = [], cursor
+            return self._read(cursor, world_size, rank)
+        ready = self._ahead.pop((cursor.epoch, cursor.consumed, world_size, rank), None)
+        upcoming, next_cursor = {}, cursor
         for _ in range(self.config.prefetch_steps):
             next_cursor = self.advance(next_cursor)
-            upcoming.append((next_cursor.epoch, next_cursor.consumed, world_size, rank))
+            upcoming[(next_cursor.epoch, next_cursor.consumed, world_size, rank)] = next_cursor
         for stale in set(self._ahead) - set(upcoming):
             self._ahead.pop(stale).cancel()
-        for ahead in upcoming:
+        for ahead, ahead_cursor in upcoming.items():
             if ahead not in self._ahead:
-                self._ahead[ahead] = self._pool.submit(self._read, ahead)
-        return ready.result() if ready is not None else self._read(key)
+                self._ahead[ahead] = self._pool.submit(self._read, ahead_cursor, world_size, rank)
+        return ready.result() if ready is not None else self._read(cursor, world_size, rank)
 
-    def _read(self, key: StepKey) -> list[Loaded]:
-        epoch, consumed, world_size, rank = key
-        cursor = data_math.DataCursor(epoch, consumed, self.config.seed)
+    def _read(self, cursor: data_math.DataCursor, world_size: int, rank: int) -> list[Loaded]:
         step_samples = self.step_samples(cursor)
         start, stop = data_math.step_positions(cursor, step_samples, world_size, rank)
-        order = self._order(epoch)
+        order = self._order(cursor.epoch)
         if start == stop:
             # The epoch's last step has fewer samples than ranks: this rank still joins the
             # gradient all-reduce, with a pass over one of the step's samples that weighs 0.

@@ -178,7 +178,7 @@ def step_positions(cursor: DataCursor, step_samples: int, world_size: int, rank:
 def fetch(dataset: Any, indices: torch.Tensor) -> Any:
     """Collate the samples at `indices`, using the dataset's batched access when it has one."""
     if isinstance(dataset, TensorDataset):
-        return tuple(t[indices] for t in dataset.tensors)
+        return tuple([t[indices] for t in dataset.tensors])  # a list, not a generator: one call
     if hasattr(dataset, "__getitems__"):
         # torch's protocol returns a list of samples for the collate function; ours, collated already.
         items = dataset.__getitems__(indices.tolist())

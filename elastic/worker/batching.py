@@ -10,6 +10,7 @@ checks, before the optimizer steps, that every batch handed out was backpropagat
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,7 +36,7 @@ class MicroBatching:
     def __init__(self, data_config: DataConfig, shape: ReplicaShape, device: torch.device, faults: FaultInjector,
                  techniques: Techniques, probe: HangProbe, model: Callable[[], PreparedModel]) -> None:
         self._data_config = data_config
-        self._shape = shape
+        self._workers_per_replica = shape.size  # a replica computes on one share of the step
         self._device = device
         self._faults = faults
         self._techniques = techniques
@@ -62,8 +63,8 @@ class MicroBatching:
 
     def _share(self, step: Step) -> list[data_math.Loaded]:
         """This worker's share of `step`: its replica's, which every worker of a replica computes on."""
-        loaded = self.loader.step(step.cursor, step.world_size // self._shape.size,
-                                  self._shape.position(step.rank).replica)
+        per_replica = self._workers_per_replica
+        loaded = self.loader.step(step.cursor, step.world_size // per_replica, step.rank // per_replica)
         if self._faults.slow_extra_s:
             time.sleep(self._faults.slow_extra_s)  # an injected straggler
         return loaded
@@ -71,7 +72,7 @@ class MicroBatching:
     def micro_batches(self, step: Step) -> Iterator[MicroBatch]:
         model = self._model()
         model.check_micro_batches()
-        peers = step.world_size // self._shape.size
+        peers = step.world_size // self._workers_per_replica
         loaded = self._share(step)
         for i, micro in enumerate(loaded):
             last = i == len(loaded) - 1
@@ -79,11 +80,13 @@ class MicroBatching:
                 data=to_device(micro.data, self._device),
                 indices=micro.indices,
                 weight=data_math.gradient_weight(micro.samples, peers, step.samples),
-                on_sync=(lambda: self._probe.enter_sync(step)) if last else None,
+                on_sync=functools.partial(self._probe.enter_sync, step) if last else None,
                 synced=model.after_last_backward(step) if last else None,
                 run_backward=self._techniques.precision.backward,
+                step=step,
             )
-            with model.accumulating(last):
+            step.given += 1
+            with model.accumulating(last):  # left at once when the loop stops early: DDP's no_sync ends
                 yield batch
 
     def batch(self, step: Step) -> Any:

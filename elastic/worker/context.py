@@ -268,31 +268,38 @@ class TrainContext(ReplicaCoordinates):
         self.probe.train_thread = threading.get_ident()
         self._join(reason="start")
         max_steps = self.data_config.max_steps
-        while self.step < max_steps:
-            if self.snapshots.read_flag(heal=lambda: self._join(reason="heal", lost=0)):
-                self.snapshots.take()
-            if self.mailbox.at_boundary(self.step, self.generation) is not None:
-                if self._healed_unless(self.techniques.drain):
+        # The steady path runs this loop's body once a step, right after the step's compute has
+        # pushed it out of the caches: every call in it costs several times its warm cost.
+        progress, mailbox, membership, snapshots = self._progress, self.mailbox, self.membership, self.snapshots
+        techniques, faults, random_state, stepping = self.techniques, self.faults, self._random, self.stepping
+        heal_in_check = lambda: self._join(reason="heal", lost=0)  # noqa: E731
+        acts_between_steps = techniques.outer is not None or techniques.stale is not None  # set by prepare_model
+        while progress.step < max_steps:
+            if snapshots.read_flag(heal=heal_in_check):
+                snapshots.take()
+            spec = membership.spec  # the generation this rank is in, formed by the join above
+            if mailbox.at_boundary(progress.step, spec.generation) is not None:
+                if self._healed_unless(techniques.drain):
                     self._join(reason="rescale")
                 continue
-            self.faults.at("step_start", self.rank, self.step, self.stepping.compute_s)
-            self._random.mark()
-            progress = self._progress
+            faults.at("step_start", spec.rank, progress.step, stepping.compute_s)
+            random_state.mark()
             progress.cursor = loader.settle(progress.cursor)
-            step = Step(self, progress.step, progress.cursor, loader.step_samples(progress.cursor))
-            self.stepping.current = step
+            step = Step(self, spec, progress.step, progress.cursor, loader.step_samples(progress.cursor))
+            stepping.current = step
             yield step
-            self.stepping.current = None
+            stepping.current = None
             if not step.entered:
                 raise ElasticError("each step from ctx.steps() must be used as `with step:`")
             if step.failed is not None:
                 self._join(reason="heal", lost=0 if step.committed else 1)
                 continue
-            if self.techniques.sync_due(self.step) and not self._healed_unless(
-                    lambda: self.techniques.outer_sync(self._objects, self._progress.to_dict())):
-                continue
-            self.techniques.at_boundary(self._objects, self._progress)
-            self.snapshots.after_step(max_steps)
+            if acts_between_steps:
+                if techniques.sync_due(progress.step) and not self._healed_unless(
+                        lambda: techniques.outer_sync(self._objects, progress.to_dict())):
+                    continue
+                techniques.at_boundary(self._objects, progress)
+            snapshots.after_step(max_steps)
         self.snapshots.drop_flag()
         self._keep_final_model()
         loader.close()

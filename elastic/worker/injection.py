@@ -43,6 +43,8 @@ class FaultInjector:
         return any(f.kind == "hang" or (f.kind == "kill" and f.where == "allreduce") for f in self.faults)
 
     def at(self, point: str, rank: int, step: int, compute_s: float = 0.0) -> None:
+        if not self.faults:
+            return  # a run without injected faults, at every step's start
         for fault in self._due(point, rank, step):
             if fault.kind in ("kill", "node-loss"):
                 die()  # for node-loss, the worker's claim handler has already taken the node down

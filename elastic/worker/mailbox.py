@@ -34,7 +34,9 @@ class GenerationMailbox:
         on_broken: Callable[[int], None] = lambda generation: None,
         on_formed: Callable[[int, dict[str, Any]], None] = lambda generation, outcome: None,
     ) -> None:
-        self._cond = threading.Condition()
+        # at_boundary takes the lock itself, once a step: the Condition's own __enter__ is Python code.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._on_waiting = on_waiting
         self._on_broken = on_broken
         self._on_formed = on_formed
@@ -80,7 +82,7 @@ class GenerationMailbox:
         Blocks only while a prepared switch is neither committed nor aborted and this rank
         would otherwise break its promise.
         """
-        with self._cond:
+        with self._lock:
             self._step = step
             while True:
                 self._raise_if_closed()

@@ -41,7 +41,7 @@ class RandomState:
                             if hasattr(numpy.random, "get_bit_generator") else numpy.random.get_state)
 
     def mark(self) -> None:
-        self._mark = (torch.get_rng_state(), random.getstate(),
+        self._mark = (torch.default_generator.get_state(), random.getstate(),
                       self._read_numpy() if self._read_numpy is not None else None,
                       torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
 

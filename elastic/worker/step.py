@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from elastic.comm.group import is_peer_failure
+from elastic.comm.group import GenerationSpec, is_peer_failure
 from elastic.data import order as data_math
 from elastic.errors import ElasticError
 
@@ -24,12 +24,6 @@ class StepOwner(Protocol):
     `TrainContext`, which owns the generation they run in."""
 
     _inside_step: bool  # between a step's __enter__ and __exit__
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
 
     def _micro_batches(self, step: Step) -> Iterator[MicroBatch]: ...
 
@@ -74,13 +68,15 @@ class MicroBatch:
 class Step:
     """One optimizer step; use it as `with step:` so a lost peer heals instead of crashing."""
 
-    def __init__(self, ctx: StepOwner, index: int, cursor: data_math.DataCursor, samples: int) -> None:
+    def __init__(self, ctx: StepOwner, spec: GenerationSpec, index: int, cursor: data_math.DataCursor,
+                 samples: int) -> None:
         self._ctx = ctx
         self.index = index
         self.cursor = cursor
         self.samples = samples  # in the whole step, across ranks
-        self.rank = ctx.rank
-        self.world_size = ctx.world_size
+        self.rank = spec.rank
+        self.world_size = spec.world_size
+        self.generation = spec.generation
         self.entered = False
         self.committed = False
         self.compute_s: float | None = None
@@ -94,14 +90,7 @@ class Step:
 
     def micro_batches(self) -> Iterator[MicroBatch]:
         """This rank's share of the global batch, in micro-batches; gradients sync on the last one."""
-        batches = self._ctx._micro_batches(self)
-        try:
-            for batch in batches:
-                batch.step = self
-                self.given += 1
-                yield batch
-        finally:
-            batches.close()  # leaves DDP's no_sync at once if the loop stops early
+        return self._ctx._micro_batches(self)
 
     def batch(self) -> Any:
         """This worker's replica's share of this step as one batch, for a prepared model that cuts
