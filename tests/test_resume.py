@@ -27,12 +27,16 @@ DATA_SEED = 3
 pytestmark = pytest.mark.timeout(240)
 
 
-def trainer(storage_path, name, workers, max_steps=TOTAL_STEPS, faults=(), max_failures=0, sleep_s=0.0, hidden=32):
+def trainer(storage_path, name, workers, max_steps=TOTAL_STEPS, faults=(), max_failures=0, sleep_s=0.0, hidden=32,
+            hold_for_checkpoint=None):
     """A run of `regression_loop`; one with faults is held after step 0 until its `workers[1]`
     workers started (run it with `fit_started`): a start that formed without a slow one takes it
-    in by step 3, so a fault on every rank finds it."""
+    in by step 3, so a fault on every rank finds it. `hold_for_checkpoint=(after, step)` holds
+    the loop after step `after` until the checkpoint of `step` is complete."""
     low, high = workers
     gate = {"gate": (0, f"{storage_path}/{name}-started")} if faults else {}
+    if hold_for_checkpoint is not None:
+        gate["hold_for_checkpoint"] = (*hold_for_checkpoint, f"{storage_path}/{name}")
     return ElasticTrainer(
         regression_loop,
         train_loop_config={"max_steps": TOTAL_STEPS, "sleep_s": sleep_s, "hidden": hidden, **gate},
@@ -79,7 +83,8 @@ def test_a_run_resumes_by_name_at_another_world_size_with_exactly_once_data(loca
 
 def test_a_run_restarts_from_storage_and_finishes_when_every_worker_is_killed(local_ray, reference, tmp_path):
     faults = [Fault(kind="kill", rank=0, step=20), Fault(kind="kill", rank=1, step=20)]
-    result = fit_started(trainer(tmp_path, "all-lost", (1, 2), faults=faults, max_failures=1))
+    result = fit_started(trainer(tmp_path, "all-lost", (1, 2), faults=faults, max_failures=1,
+                                 hold_for_checkpoint=(19, 16)))
     assert "RESTART" in [e["action"] for e in result.events_of("decision")]
     [recovery] = [e for e in result.events_of("recovery") if e["from_checkpoint"]]
     assert recovery["steps_lost"] >= 20 - 16

@@ -59,7 +59,8 @@ def test_a_stale_checkpoint_holds_the_complete_state_and_a_restart_from_it_is_ex
     # the complete state of step 6 (S = 2 behind) with the two gradients still to apply.
     result = _fit(tmp_path, "stale-ckpt", ScalingConfig(min_workers=1, max_workers=2), Strategy(sync="stale:bound=2"),
                   faults=[Fault(kind="kill", rank=0, step=14), Fault(kind="kill", rank=1, step=14)],
-                  checkpoint=CheckpointConfig(every_steps=8), failure=FailureConfig(max_failures=1))
+                  checkpoint=CheckpointConfig(every_steps=8), failure=FailureConfig(max_failures=1),
+                  hold_for_checkpoint=(13, 6, str(tmp_path / "stale-ckpt")))
     assert [e["step"] for e in result.events_of("generation_formed") if e["kind"] == "restart"] == [6]
     assert _max_diff(result.value["params"], _stale_reference(2)) < 1e-9
     _assert_exactly_once(result.value["ledger"], MAX_STEPS)

@@ -283,7 +283,7 @@ def test_zero_without_buddy_copies_restarts_a_death_from_the_latest_checkpoint_e
     # run restarts from the checkpoint at step 8 and replays, still equal to DDP.
     result = _fit(tmp_path, "zero-r0", ScalingConfig(min_workers=1, max_workers=2), Strategy(zero=1, zero_replicas=0),
                   faults=[Fault(kind="kill", rank=1, step=12)], optimizer="adamw",
-                  checkpoint=CheckpointConfig(every_steps=8))
+                  checkpoint=CheckpointConfig(every_steps=8), hold_for_checkpoint=(11, 8, str(tmp_path / "zero-r0")))
     [restart] = [d for d in result.events_of("decision") if d["action"] == "RESTART"]
     assert "lost part of the run's state" in restart["reason"] and "ShardLostError" in restart["reason"]
     [recovery] = result.events_of("recovery")

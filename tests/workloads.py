@@ -22,6 +22,7 @@ import random
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy
 import pyarrow as pa
@@ -128,6 +129,7 @@ def regression_loop(config: dict) -> dict:
                 log.write(f"{step.index} {time.time()}\n")
         time.sleep(config.get("sleep_s", 0.0))
         hold_at_gate(config, step.index)
+        hold_for_checkpoint(config, step.index)
     if sync_every:
         check_synced(ctx, synced_at)  # the run's last step ends with a sync
     with torch.no_grad():
@@ -388,6 +390,21 @@ def hold_at_gate(config: dict, step_index: int) -> None:
     for gate_step, gate_file in [*config.get("gates", ()), config.get("gate", (-1, ""))]:
         while step_index == gate_step and not os.path.exists(gate_file):
             time.sleep(0.01)
+
+
+def hold_for_checkpoint(config: dict, step_index: int) -> None:
+    """Hold the train loop after step `hold_for_checkpoint[0]` until the run folder
+    `hold_for_checkpoint[2]` holds a complete checkpoint (its manifest written) of step
+    `hold_for_checkpoint[1]` or later: a fault that kills every rank a few steps on then
+    finds it, however slowly a loaded machine writes it in the background."""
+    after, wanted, run_folder = config.get("hold_for_checkpoint", (-1, 0, ""))
+    deadline = time.monotonic() + 120
+    while step_index == after and not any(
+            int(folder.name.removeprefix("step_")) >= wanted and (folder / "manifest.json").exists()
+            for folder in Path(run_folder, "checkpoints").glob("step_*")):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no checkpoint of step {wanted} or later was complete in {run_folder} after 120 s")
+        time.sleep(0.01)
 
 
 def fit_held(trainer, until, *more):
