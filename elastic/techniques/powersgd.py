@@ -112,8 +112,8 @@ class PowerSGD:
             warm[index] = _orthonormal(q)
         ps = [matrix @ warm[index] for index, matrix, _ in matrices]
         ps = [_orthonormal(p) for p in self._sum(ps, reduce)]
-        # M^T P as (P^T M)^T: the same product, but a transposed M is 5x slower at rank 4 on CPU
-        # (58 against 12 ms for the 10.5 M-parameter MLP of benchmarks/network.py).
+        # M^T P as (P^T M)^T: the same product, but torch's CPU matmul over a transposed M is
+        # several times slower at rank 4 (the MLP of benchmarks/network.py).
         qs = [(p.t() @ matrix).t() for (_, matrix, _), p in zip(matrices, ps)]
         qs = [q.div_(world_size) for q in self._sum(qs, reduce)]
         for (index, matrix, _), p, q in zip(matrices, ps, qs):

@@ -119,6 +119,11 @@ class Techniques:
         return self.outer is not None or self.stale is not None or self.sharded is not None
 
     @property
+    def acts_between_steps(self) -> bool:
+        """Local SGD syncs and stale synchrony keeps its state at step boundaries; the rest do nothing there."""
+        return self.outer is not None or self.stale is not None
+
+    @property
     def hooks_gradients(self) -> bool:
         """DDP's gradient all-reduce must go through `codec`, and then step the optimizer where it overlaps."""
         return self.strategy.compression != "none" or self.overlap is not None

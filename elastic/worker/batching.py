@@ -36,7 +36,7 @@ class MicroBatching:
     def __init__(self, data_config: DataConfig, shape: ReplicaShape, device: torch.device, faults: FaultInjector,
                  techniques: Techniques, probe: HangProbe, model: Callable[[], PreparedModel]) -> None:
         self._data_config = data_config
-        self._workers_per_replica = shape.size  # a replica computes on one share of the step
+        self._shape = shape
         self._device = device
         self._faults = faults
         self._techniques = techniques
@@ -63,8 +63,8 @@ class MicroBatching:
 
     def _share(self, step: Step) -> list[data_math.Loaded]:
         """This worker's share of `step`: its replica's, which every worker of a replica computes on."""
-        per_replica = self._workers_per_replica
-        loaded = self.loader.step(step.cursor, step.world_size // per_replica, step.rank // per_replica)
+        loaded = self.loader.step(step.cursor, step.world_size // self._shape.size,
+                                  self._shape.position(step.rank).replica)
         if self._faults.slow_extra_s:
             time.sleep(self._faults.slow_extra_s)  # an injected straggler
         return loaded
@@ -72,7 +72,7 @@ class MicroBatching:
     def micro_batches(self, step: Step) -> Iterator[MicroBatch]:
         model = self._model()
         model.check_micro_batches()
-        peers = step.world_size // self._workers_per_replica
+        peers = step.world_size // self._shape.size
         loaded = self._share(step)
         for i, micro in enumerate(loaded):
             last = i == len(loaded) - 1

@@ -273,7 +273,7 @@ class TrainContext(ReplicaCoordinates):
         progress, mailbox, membership, snapshots = self._progress, self.mailbox, self.membership, self.snapshots
         techniques, faults, random_state, stepping = self.techniques, self.faults, self._random, self.stepping
         heal_in_check = lambda: self._join(reason="heal", lost=0)  # noqa: E731
-        acts_between_steps = techniques.outer is not None or techniques.stale is not None  # set by prepare_model
+        acts_between_steps = techniques.acts_between_steps  # settled by prepare_model, before the steps
         while progress.step < max_steps:
             if snapshots.read_flag(heal=heal_in_check):
                 snapshots.take()

@@ -53,8 +53,7 @@ class Stepping:
     def end(self, step: Step, exc: BaseException | None) -> bool:
         """The `with step:` block ended; True to swallow `exc`, a peer's failure the next join heals."""
         if exc is None:
-            if not step.committed:
-                self.commit()
+            self.commit()
             if step.compute_s is not None:
                 self.compute_s = step.compute_s - self._faults.slow_extra_s
             self._report_sink({"kind": "step", "step": step.index, "rank": step.rank, "world_size": step.world_size,
