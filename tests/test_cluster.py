@@ -5,7 +5,7 @@ The head node hosts only the driver and the controller (0 CPUs); two worker node
 workers each. Removing one of them takes half the workers away at once.
 """
 
-import threading
+import concurrent.futures
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -45,19 +45,23 @@ def _status(name):
         return None
 
 
-def _wait_for(name, predicate, what):
-    while True:
+def _wait_for(name, predicate, what, fit, storage_path):
+    """Wait until the run's status satisfies `predicate`; fail at once, with the workers the run
+    lost, if its `fit` ended first (a failed run's controller answers no status)."""
+    while not fit.done():
         status = _status(name)
         if status and predicate(status):
             return status
-        if status and status["state"] in ("FINISHED", "FAILED"):
-            raise AssertionError(f"run ended before {what}: {status}")
         time.sleep(POLL_S)
+    events = read_events(RunStorage(str(storage_path), name))
+    lost = [(e["worker_id"], e["kind"], e["cause"]) for e in events if e["type"] == "worker_failed"]
+    ended = [e for e in events if e["type"] in ("run_finished", "run_failed")]
+    raise AssertionError(f"run ended before {what}: {ended}; workers lost: {lost}") from fit.exception()
 
 
-def _open_when_started(gate, storage_path, name, workers):
+def _open_when_started(gate, storage_path, name, workers, fit):
     """Open a train loop's gate (workloads.hold_at_gate) once `workers` workers of the run have started."""
-    while not workers_started(workers)(read_events(RunStorage(str(storage_path), name))):
+    while not fit.done() and not workers_started(workers)(read_events(RunStorage(str(storage_path), name))):
         time.sleep(POLL_S)
     gate.touch()
 
@@ -77,18 +81,16 @@ def test_training_continues_on_the_rest_when_a_node_with_half_the_workers_is_rem
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=steps),
         show_progress=False,
     )
-    outcome = {}
-    fit = threading.Thread(target=lambda: outcome.update(result=trainer.fit()))
-    fit.start()
+    fit = concurrent.futures.ThreadPoolExecutor(1).submit(trainer.fit)
 
-    _wait_for("node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 4 and s["step"] >= 10, "4 workers ran")
+    _wait_for("node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 4 and s["step"] >= 10, "4 workers ran",
+              fit, tmp_path)
     cluster.remove_node(node_b)
-    _wait_for("node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 2, "the run healed to 2 workers")
+    _wait_for("node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 2, "the run healed to 2 workers",
+              fit, tmp_path)
     node_c = cluster.add_node(num_cpus=2)
-    _open_when_started(gate, tmp_path, "node-loss", 6)
-    fit.join()
-
-    result = outcome["result"]
+    _open_when_started(gate, tmp_path, "node-loss", 6, fit)
+    result = fit.result()
     assert result.step == steps
     formed = result.events_of("generation_formed")
     healed = next(e for e in formed if e["reason"].startswith("heal") and e["world_size"] == 2)
@@ -164,12 +166,10 @@ def test_a_replica_is_one_placement_group_on_one_node_and_a_node_loss_takes_out_
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=steps),
         show_progress=False,
     )
-    outcome = {}
-    fit = threading.Thread(target=lambda: outcome.update(result=trainer.fit()))
-    fit.start()
+    fit = concurrent.futures.ThreadPoolExecutor(1).submit(trainer.fit)
 
     _wait_for("replica-node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 4 and s["step"] >= 10,
-              "2 replicas ran")
+              "2 replicas ran", fit, tmp_path)
     groups = [g for g in ray.util.placement_group_table().values()
               if g["name"].startswith("elastic-replica-node-loss-") and g["state"] == "CREATED"]
     assert len(groups) == 2 and all(len(set(g["bundles_to_node_id"].values())) == 1 for g in groups), groups
@@ -180,12 +180,11 @@ def test_a_replica_is_one_placement_group_on_one_node_and_a_node_loss_takes_out_
     assert all(len(nodes) == 1 for nodes in node_of_replica.values()), "a replica's workers span nodes"
     lost_node = next(iter(node_of_replica[1]))
     cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == lost_node))
-    _wait_for("replica-node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 2, "the other replica healed")
+    _wait_for("replica-node-loss", lambda s: s["state"] == "RUNNING" and s["world_size"] == 2, "the other replica healed",
+              fit, tmp_path)
     cluster.add_node(num_cpus=2)
-    _open_when_started(gate, tmp_path, "replica-node-loss", 6)
-    fit.join()
-
-    result = outcome["result"]
+    _open_when_started(gate, tmp_path, "replica-node-loss", 6, fit)
+    result = fit.result()
     assert result.step == steps
     formed = result.events_of("generation_formed")
     healed = next(e for e in formed if e["kind"] == "heal")

@@ -358,6 +358,20 @@ def test_a_member_that_answers_no_ping_is_unreachable_and_healed_around_before_r
     assert len(group.events("worker_failed")) == 1
 
 
+def test_a_poll_that_no_member_answered_blames_nobody_and_the_next_one_asks_again():
+    # On a loaded machine every ping can miss its timeout at once; losing every member for it
+    # would fail the run. A link down leaves some members answering, not none.
+    group = FakeWorkerGroup()
+    group.start_run(0, 1)
+    group.send(Tick(last_step_at=group.now, deadline_s=10.0, reach_deadline_s=0.5), after_s=0.8)
+    group.send(ProgressPolled({0: None, 1: None}))
+    assert not group.killed and not group.events("worker_failed") and group.state == "RUNNING"
+    group.send(Tick(last_step_at=group.now - 1.6, deadline_s=10.0, reach_deadline_s=0.5), after_s=0.8)
+    assert len(group.polls) == 2, "no second poll"
+    group.send(ProgressPolled({0: progress(), 1: None}))
+    assert group.killed == [1] and group.events("worker_failed")[-1]["kind"] == "unreachable"
+
+
 def test_members_waiting_on_an_unreachable_peer_are_released_not_blamed():
     # Past the hang deadline the waiters look behind (they never finished the all-reduce the cut-off
     # peer left): the one that answers no ping is the culprit, and only it.

@@ -46,9 +46,11 @@ def _fit(tmp_path, name, scaling, *args, **kwargs):
     return _fit_held(tmp_path, name, 0, workers_started(scaling.max_workers), scaling, *args, **kwargs)
 
 
-def _fit_held(tmp_path, name, gate_step, until, *args, **fit_args):
-    """A run held before step `gate_step` until `until(events)` holds (`fit_held`)."""
-    return fit_held(_trainer(tmp_path, name, *args, gate=(gate_step, str(tmp_path / f"{name}-gate")), **fit_args), until)
+def _fit_held(tmp_path, name, gate_step, until, *args, from_generation=None, **fit_args):
+    """A run held after step `gate_step` (in generation `from_generation` or later, if given)
+    until `until(events)` holds (`fit_held`)."""
+    gate = (gate_step, str(tmp_path / f"{name}-gate"), *([] if from_generation is None else [from_generation]))
+    return fit_held(_trainer(tmp_path, name, *args, gate=gate, **fit_args), until)
 
 
 # The run `_grow_to_3_once_formed` holds at 2: with the third worker's CPUs taken, the start's
@@ -127,8 +129,11 @@ def test_local_sgd_heals_a_death_by_rolling_back_to_its_last_sync(local_ray, tmp
 
 
 def test_diloco_rolls_a_mid_interval_death_back_and_replays_the_interval_exactly_once(local_ray, tmp_path):
-    # Held at step 14 until the replacement started, so it joins in a grow before the end.
-    result = _fit_held(tmp_path, "diloco-kill", 14, workers_started(3), scaling=ScalingConfig(min_workers=1, max_workers=2),
+    # Held at step 14 of the healed generation until the replacement started, so it joins in a
+    # grow before the end. Not in the first: the survivor may finish step 14 before it learns of
+    # the death, and held there it could not join the heal.
+    result = _fit_held(tmp_path, "diloco-kill", 14, workers_started(3), from_generation=1,
+                       scaling=ScalingConfig(min_workers=1, max_workers=2),
                        strategy=Strategy(sync="diloco:every=8"), faults=[Fault(kind="kill", rank=1, step=13)],
                        max_steps=32)
     [recovery] = result.events_of("recovery")
@@ -144,11 +149,15 @@ def test_diloco_rolls_a_mid_interval_death_back_and_replays_the_interval_exactly
 def test_easgd_rolls_a_mid_interval_death_back_restarts_every_rank_from_the_center_and_ends_near_ddp(
         local_ray, tmp_path, ddp_reference):
     # Rank 1 dies at step 14, between the syncs at 12 and 16: the survivor rolls back to 12,
-    # replays, and is held at step 14 until the replacement started, which joins in a grow.
+    # replays, and is held at step 14 until the replacement started, which joins in a grow:
+    # held in the healed generation, since one held in the first could not join the heal (it
+    # may finish step 14 before it learns of the death; a loaded CI machine showed both a heal
+    # given up as hung and a heal that waited for the replacement and took it in).
     # At each formation every rank restarts from the center, so regression_loop finds model,
     # center, inner optimizer state and ledger identical on every rank at each generation's
     # first step; after each sync it finds the center identical, and after the last the model.
-    result = _fit_held(tmp_path, "easgd-kill", 14, workers_started(3), scaling=ScalingConfig(min_workers=1, max_workers=2),
+    result = _fit_held(tmp_path, "easgd-kill", 14, workers_started(3), from_generation=1,
+                       scaling=ScalingConfig(min_workers=1, max_workers=2),
                        strategy=Strategy(sync="easgd:every=4,alpha=0.2"), faults=[Fault(kind="kill", rank=1, step=14)],
                        checkpoint=CheckpointConfig(every_steps=8, keep_last=3))
     [recovery] = result.events_of("recovery")

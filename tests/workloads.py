@@ -386,9 +386,14 @@ def streaming_loop(config: dict) -> dict:
 def hold_at_gate(config: dict, step_index: int) -> None:
     """Hold the train loop after step `gate[0]` until the file `gate[1]` exists, for the gate
     `config["gate"]` and each of `config["gates"]`: `fit_held` opens them when the run reached
-    the state a test waits for."""
-    for gate_step, gate_file in [*config.get("gates", ()), config.get("gate", (-1, ""))]:
-        while step_index == gate_step and not os.path.exists(gate_file):
+    the state a test waits for. A gate with a third entry holds only from that generation on:
+    a rank held in its loop cannot join a formation, so a gate that a survivor may reach before
+    it heals (under local SGD, a death between syncs) holds it in the healed generation instead,
+    where nobody waits for it."""
+    for gate_step, gate_file, *from_generation in [*config.get("gates", ()), config.get("gate", (-1, ""))]:
+        if step_index != gate_step or (from_generation and elastic.get_context().generation < from_generation[0]):
+            continue
+        while not os.path.exists(gate_file):
             time.sleep(0.01)
 
 

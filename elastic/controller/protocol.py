@@ -333,7 +333,13 @@ class Protocol:
         """Members that answered no ping are unreachable (dead, or alive behind a link that is down):
         each is lost now, like a death, so the heal releases the members waiting on it; it is
         killed too, and nothing it sends later counts (`fenced`). Ray itself would call its node
-        dead only after about a minute of failed health checks."""
+        dead only after about a minute of failed health checks.
+
+        A poll that no member answered blames nobody: a partition is told from the controller's
+        own starvation (a loaded machine, its own link down) by the members that still answer.
+        The next poll asks again, and a lone member behind a cut link waits for Ray's word."""
+        if all(answer is None for answer in obs.answers.values()):
+            return []
         actions: list[Action] = []
         for worker_id, answer in obs.answers.items():
             if answer is not None or self.workers[worker_id].status == Status.GONE or isinstance(self.state, TERMINAL):
