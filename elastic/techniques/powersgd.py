@@ -19,13 +19,20 @@ the state is keyed by parameter, and it moves with the run:
   carries the same correction (1/W' * W' * mean = mean), so a planned rescale stays exact;
   after a death it is the survivors' average, an approximation.
 
-The hook waits for its all-reduces itself (they depend on each other), so a compressed
-bucket does not overlap with the rest of the backward. `start_iter` steps all-reduce plainly
-first, as torch's `start_powerSGD_iter` does.
+The hook does not wait for the link. Bucket k's hook computes its P and starts P's
+all-reduce; the next bucket's hook (or bucket k's own, if it is the last) finishes bucket k:
+it orthogonalizes the summed P, computes Q and starts Q's all-reduce, whose completion
+rebuilds the bucket's gradients on gloo's thread. So P travels while the backward computes
+the next bucket, and every rank issues its collectives in one order (bucket k's P, then
+bucket k's Q ahead of bucket k+1's), which gloo needs: it matches collectives by issue order.
+torch's `powerSGD_hook` issues Q from P's completion on gloo's thread instead, an order that
+can differ between ranks. `start_iter` steps all-reduce plainly first, as torch's
+`start_powerSGD_iter` does.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -46,6 +53,7 @@ class PowerSGD:
         # What the step in flight changes, applied only when it commits: a step that fails
         # is redone, and its gradient must not be in the error buffers twice.
         self._staged = _Staged()
+        self._on_wire: _Factors | None = None  # the bucket whose P is being summed
         self.bytes_sent = 0
         self._index = {id(p): i for i, p in enumerate(params)}
 
@@ -54,14 +62,16 @@ class PowerSGD:
         """Average the bucket's gradients across ranks; a future of the bucket's buffer."""
         buffer = bucket.buffer()
         world_size = dist.get_world_size()
+        if self._on_wire is not None:
+            self._send_q(reduce)
         if self.iter < self.start_iter:
             self.bytes_sent += buffer.numel() * buffer.element_size()
             future = reduce(buffer.div_(world_size))
         else:
-            self._compress(bucket, world_size, reduce)
-            future = torch.futures.Future()
-            future.set_result(buffer)
+            future = self._compress(bucket, world_size, reduce)
         if bucket.is_last():
+            if self._on_wire is not None:
+                self._send_q(reduce)
             self._staged.iters = 1
         return future
 
@@ -73,13 +83,18 @@ class PowerSGD:
         self._staged = _Staged()
 
     def discard(self) -> None:
-        """The step failed and will be redone: forget what it changed."""
+        """The step failed and will be redone: forget what it changed, and the bucket whose Q
+        was never sent (the redone step's hooks start from its first bucket)."""
         if self._staged.rng is not None:
             self.rng.set_state(self._staged.rng)
         self._staged = _Staged()
+        self._on_wire = None
 
     def _compress(self, bucket: dist.GradBucket, world_size: int,
-                  reduce: Callable[[torch.Tensor], torch.futures.Future]) -> None:
+                  reduce: Callable[[torch.Tensor], torch.futures.Future]) -> torch.futures.Future:
+        """Start the bucket's plain all-reduce and its P's; a future of the buffer, complete
+        once Q (sent by `_send_q`) came back and the gradients are rebuilt."""
+        buffer = bucket.buffer()
         matrices, plain = [], []
         for param, grad in zip(bucket.parameters(), bucket.gradients()):
             matrix = grad.view(grad.shape[0], -1) if grad.dim() > 1 else None
@@ -88,49 +103,50 @@ class PowerSGD:
                 matrices.append((self._index[id(param)], matrix, rank))
             else:
                 plain.append(grad)
+        parts = []
         if plain:
             flat = torch.cat([g.reshape(-1) for g in plain])
-            self._send(flat, reduce)
-            flat.div_(world_size)
-            for grad, part in zip(plain, flat.split([g.numel() for g in plain])):
-                grad.copy_(part.view_as(grad))
-        if not matrices:
-            return
-        staged = self._staged
-        wanted, warm = {}, {}
-        for index, matrix, rank in matrices:
-            if index in self.error:
-                matrix.add_(self.error[index])
-            wanted[index] = matrix.clone()
-            # The generator draws a first Q once per parameter: a redone step draws it again,
-            # so it is saved before and restored if the step fails (with the rest, at commit).
-            q = self.q.get(index)
-            if q is None:
-                if staged.rng is None:
-                    staged.rng = self.rng.get_state()
-                q = torch.randn(matrix.shape[1], rank, generator=self.rng, dtype=matrix.dtype).to(matrix.device)
-            warm[index] = _orthonormal(q)
-        ps = [matrix @ warm[index] for index, matrix, _ in matrices]
-        ps = [_orthonormal(p) for p in self._sum(ps, reduce)]
+            parts.append(self._send(flat, reduce).then(functools.partial(_unflatten_mean, plain, world_size)))
+        if matrices:
+            staged = self._staged
+            ps = []
+            for index, matrix, rank in matrices:
+                if index in self.error:
+                    matrix.add_(self.error[index])
+                # The generator draws a first Q once per parameter: a redone step draws it again,
+                # so it is saved before and restored if the step fails (with the rest, at commit).
+                q = self.q.get(index)
+                if q is None:
+                    if staged.rng is None:
+                        staged.rng = self.rng.get_state()
+                    q = torch.randn(matrix.shape[1], rank, generator=self.rng, dtype=matrix.dtype).to(matrix.device)
+                ps.append(matrix @ _orthonormal(q))
+            flat_p = torch.cat([p.reshape(-1) for p in ps])
+            self._on_wire = _Factors(matrices, [p.shape for p in ps], flat_p, self._send(flat_p, reduce),
+                                     staged, world_size, torch.futures.Future())
+            parts.append(self._on_wire.rebuilt)
+        return torch.futures.collect_all(parts).then(functools.partial(_when_all, buffer))
+
+    def _send_q(self, reduce: Callable[[torch.Tensor], torch.futures.Future]) -> None:
+        """Finish the bucket whose P is on the wire: wait for its sum, send Q = M^T P."""
+        factors, self._on_wire = self._on_wire, None
+        try:
+            factors.p_summed.wait()
+        except Exception as error:
+            factors.rebuilt.set_exception(error)
+            raise
+        ps = [_orthonormal(p) for p in _split(factors.flat_p, factors.p_shapes)]
         # M^T P as (P^T M)^T: the same product, but torch's CPU matmul over a transposed M is
         # several times slower at rank 4 (the MLP of benchmarks/network.py).
-        qs = [(p.t() @ matrix).t() for (_, matrix, _), p in zip(matrices, ps)]
-        qs = [q.div_(world_size) for q in self._sum(qs, reduce)]
-        for (index, matrix, _), p, q in zip(matrices, ps, qs):
-            staged.q[index] = q
-            torch.matmul(p, q.t(), out=matrix)
-            staged.error[index] = wanted[index] - matrix
+        qs = [(p.t() @ matrix).t() for (_, matrix, _), p in zip(factors.matrices, ps)]
+        flat_q = torch.cat([q.reshape(-1) for q in qs])
+        rebuild = functools.partial(_rebuild, factors, ps, [q.shape for q in qs])
+        self._send(flat_q, reduce).then(rebuild).add_done_callback(functools.partial(_settle, factors.rebuilt))
 
-    def _sum(self, tensors: list[torch.Tensor],
-             reduce: Callable[[torch.Tensor], torch.futures.Future]) -> list[torch.Tensor]:
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        self._send(flat, reduce)
-        return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
-
-    def _send(self, flat: torch.Tensor, reduce: Callable[[torch.Tensor], torch.futures.Future]) -> None:
-        """Sum `flat` across ranks in place, through the generation's abortable all-reduce."""
+    def _send(self, flat: torch.Tensor, reduce: Callable[[torch.Tensor], torch.futures.Future]) -> torch.futures.Future:
+        """Start summing `flat` across ranks in place, through the generation's abortable all-reduce."""
         self.bytes_sent += flat.numel() * flat.element_size()
-        reduce(flat).wait()
+        return reduce(flat)
 
     # --- the state a heal or a grow carries -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -148,6 +164,53 @@ class PowerSGD:
 
     def load_local_state(self, error: dict[int, torch.Tensor]) -> None:
         self.error = dict(error)
+
+
+@dataclass
+class _Factors:
+    """A bucket whose P factors are being summed: what its Q and its rebuilt gradients need."""
+
+    matrices: list[tuple[int, torch.Tensor, int]]  # (parameter index, gradient matrix + error, rank)
+    p_shapes: list[torch.Size]
+    flat_p: torch.Tensor
+    p_summed: torch.futures.Future
+    staged: _Staged
+    world_size: int
+    rebuilt: torch.futures.Future  # the bucket's gradients are P Q^T
+
+
+def _rebuild(factors: _Factors, ps: list[torch.Tensor], q_shapes: list[torch.Size],
+             q_summed: torch.futures.Future) -> None:
+    """On gloo's thread, once Q is summed: each gradient becomes P Q^T, and the error left
+    (M - P Q^T) is staged for the next step. Touches only this bucket's tensors."""
+    qs = [q.div_(factors.world_size) for q in _split(q_summed.value(), q_shapes)]
+    for (index, matrix, _), p, q in zip(factors.matrices, ps, qs):
+        factors.staged.q[index] = q
+        factors.staged.error[index] = torch.addmm(matrix, p, q.t(), alpha=-1)
+        torch.matmul(p, q.t(), out=matrix)
+
+
+def _unflatten_mean(grads: list[torch.Tensor], world_size: int, summed: torch.futures.Future) -> None:
+    flat = summed.value().div_(world_size)
+    for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(part.view_as(grad))
+
+
+def _when_all(buffer: torch.Tensor, parts: torch.futures.Future) -> torch.Tensor:
+    for part in parts.value():
+        part.value()  # raises what failed
+    return buffer
+
+
+def _settle(target: torch.futures.Future, source: torch.futures.Future) -> None:
+    try:
+        target.set_result(source.value())
+    except Exception as error:
+        target.set_exception(error)
+
+
+def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    return [part.view(shape) for part, shape in zip(flat.split([shape.numel() for shape in shapes]), shapes)]
 
 
 @dataclass

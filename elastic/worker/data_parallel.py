@@ -24,7 +24,8 @@ from elastic.techniques.strategy import Techniques
 # all-reduce back until most of the backward is done. Measured over a 1 Gbit/s link (2 nodes,
 # 42 MB of gradients, plain torch DDP, benchmarks/ddp_probe.py): 535 ms a step at 25 MB, 488 at
 # 8, 492 at 4, 501 at 2.
-# PowerSGD keeps torch's default: each of its buckets waits on three small all-reduces in turn.
+# PowerSGD keeps torch's default: it sends two factors per bucket, each a small all-reduce
+# whose cost is mostly latency, so fewer buckets send fewer (4 MB is not measured for it).
 GLOO_BUCKET_CAP_MB = 4
 
 
