@@ -19,14 +19,16 @@ the state is keyed by parameter, and it moves with the run:
   carries the same correction (1/W' * W' * mean = mean), so a planned rescale stays exact;
   after a death it is the survivors' average, an approximation.
 
-The hook does not wait for the link. Bucket k's hook computes its P and starts P's
-all-reduce; the next bucket's hook (or bucket k's own, if it is the last) finishes bucket k:
-it orthogonalizes the summed P, computes Q and starts Q's all-reduce, whose completion
-rebuilds the bucket's gradients on gloo's thread. So P travels while the backward computes
-the next bucket, and every rank issues its collectives in one order (bucket k's P, then
+The hook does not wait for the link until the last bucket. Bucket k's hook computes its P
+and starts P's all-reduce; the next bucket's hook (or bucket k's own, if it is the last)
+orthogonalizes the summed P, computes Q and starts Q's all-reduce; the last bucket's hook
+then rebuilds every bucket's gradients as its Q comes back. So the factors travel while the
+backward computes, and every rank issues its collectives in one order (bucket k's P, then
 bucket k's Q ahead of bucket k+1's), which gloo needs: it matches collectives by issue order.
 torch's `powerSGD_hook` issues Q from P's completion on gloo's thread instead, an order that
-can differ between ranks. `start_iter` steps all-reduce plainly first, as torch's
+can differ between ranks. The products run on the training thread: rebuilt on gloo's thread
+(as Q's completion callback) rank 4 ran at 1.68x DDP over 1 Gbit/s in one round, against 2.25x
+with the hook that waited, the cause not isolated. `start_iter` steps all-reduce plainly first, as torch's
 `start_powerSGD_iter` does.
 """
 
@@ -54,6 +56,7 @@ class PowerSGD:
         # is redone, and its gradient must not be in the error buffers twice.
         self._staged = _Staged()
         self._on_wire: _Factors | None = None  # the bucket whose P is being summed
+        self._unfinished: list[_Unfinished] = []  # this step's buckets, each finished by the last hook
         self.bytes_sent = 0
         self._index = {id(p): i for i, p in enumerate(params)}
 
@@ -73,6 +76,7 @@ class PowerSGD:
             if self._on_wire is not None:
                 self._send_q(reduce)
             self._staged.iters = 1
+            self._finish()
         return future
 
     def commit(self) -> None:
@@ -89,12 +93,14 @@ class PowerSGD:
             self.rng.set_state(self._staged.rng)
         self._staged = _Staged()
         self._on_wire = None
+        self._unfinished = []
 
     def _compress(self, bucket: dist.GradBucket, world_size: int,
                   reduce: Callable[[torch.Tensor], torch.futures.Future]) -> torch.futures.Future:
         """Start the bucket's plain all-reduce and its P's; a future of the buffer, complete
-        once Q (sent by `_send_q`) came back and the gradients are rebuilt."""
-        buffer = bucket.buffer()
+        once the last hook rebuilt its gradients (`_finish`)."""
+        unfinished = _Unfinished(bucket.buffer())
+        self._unfinished.append(unfinished)
         matrices, plain = [], []
         for param, grad in zip(bucket.parameters(), bucket.gradients()):
             matrix = grad.view(grad.shape[0], -1) if grad.dim() > 1 else None
@@ -103,10 +109,9 @@ class PowerSGD:
                 matrices.append((self._index[id(param)], matrix, rank))
             else:
                 plain.append(grad)
-        parts = []
         if plain:
             flat = torch.cat([g.reshape(-1) for g in plain])
-            parts.append(self._send(flat, reduce).then(functools.partial(_unflatten_mean, plain, world_size)))
+            unfinished.steps.append(functools.partial(_unflatten_mean, plain, world_size, self._send(flat, reduce)))
         if matrices:
             staged = self._staged
             ps = []
@@ -123,25 +128,39 @@ class PowerSGD:
                 ps.append(matrix @ _orthonormal(q))
             flat_p = torch.cat([p.reshape(-1) for p in ps])
             self._on_wire = _Factors(matrices, [p.shape for p in ps], flat_p, self._send(flat_p, reduce),
-                                     staged, world_size, torch.futures.Future())
-            parts.append(self._on_wire.rebuilt)
-        return torch.futures.collect_all(parts).then(functools.partial(_when_all, buffer))
+                                     staged, world_size, unfinished)
+        return unfinished.done
 
     def _send_q(self, reduce: Callable[[torch.Tensor], torch.futures.Future]) -> None:
         """Finish the bucket whose P is on the wire: wait for its sum, send Q = M^T P."""
         factors, self._on_wire = self._on_wire, None
-        try:
-            factors.p_summed.wait()
-        except Exception as error:
-            factors.rebuilt.set_exception(error)
-            raise
+        factors.p_summed.wait()
         ps = [_orthonormal(p) for p in _split(factors.flat_p, factors.p_shapes)]
         # M^T P as (P^T M)^T: the same product, but torch's CPU matmul over a transposed M is
         # several times slower at rank 4 (the MLP of benchmarks/network.py).
         qs = [(p.t() @ matrix).t() for (_, matrix, _), p in zip(factors.matrices, ps)]
         flat_q = torch.cat([q.reshape(-1) for q in qs])
-        rebuild = functools.partial(_rebuild, factors, ps, [q.shape for q in qs])
-        self._send(flat_q, reduce).then(rebuild).add_done_callback(functools.partial(_settle, factors.rebuilt))
+        rebuild = functools.partial(_rebuild, factors, ps, [q.shape for q in qs], self._send(flat_q, reduce))
+        factors.unfinished.steps.append(rebuild)
+
+    def _finish(self) -> None:
+        """In the last bucket's hook: rebuild each bucket's gradients as its all-reduces come
+        back, and complete the futures DDP waits on (failed from the first that failed on)."""
+        unfinished, self._unfinished = self._unfinished, []
+        error = None
+        for bucket in unfinished:
+            if error is None:
+                try:
+                    for step in bucket.steps:
+                        step()
+                except Exception as exc:
+                    error = exc
+            if error is None:
+                bucket.done.set_result(bucket.buffer)
+            else:
+                bucket.done.set_exception(error)
+        if error is not None:
+            raise error
 
     def _send(self, flat: torch.Tensor, reduce: Callable[[torch.Tensor], torch.futures.Future]) -> torch.futures.Future:
         """Start summing `flat` across ranks in place, through the generation's abortable all-reduce."""
@@ -176,14 +195,24 @@ class _Factors:
     p_summed: torch.futures.Future
     staged: _Staged
     world_size: int
-    rebuilt: torch.futures.Future  # the bucket's gradients are P Q^T
+    unfinished: _Unfinished
+
+
+@dataclass
+class _Unfinished:
+    """A bucket of this step: what rebuilds its gradients once its all-reduces are back, and
+    the future of its buffer that DDP waits on."""
+
+    buffer: torch.Tensor
+    steps: list[Callable[[], None]] = field(default_factory=list)
+    done: torch.futures.Future = field(default_factory=torch.futures.Future)
 
 
 def _rebuild(factors: _Factors, ps: list[torch.Tensor], q_shapes: list[torch.Size],
              q_summed: torch.futures.Future) -> None:
-    """On gloo's thread, once Q is summed: each gradient becomes P Q^T, and the error left
-    (M - P Q^T) is staged for the next step. Touches only this bucket's tensors."""
-    qs = [q.div_(factors.world_size) for q in _split(q_summed.value(), q_shapes)]
+    """Once Q is summed: each gradient becomes P Q^T, and the error left (M - P Q^T) is
+    staged for the next step."""
+    qs = [q.div_(factors.world_size) for q in _split(q_summed.wait(), q_shapes)]
     for (index, matrix, _), p, q in zip(factors.matrices, ps, qs):
         factors.staged.q[index] = q
         factors.staged.error[index] = torch.addmm(matrix, p, q.t(), alpha=-1)
@@ -191,22 +220,9 @@ def _rebuild(factors: _Factors, ps: list[torch.Tensor], q_shapes: list[torch.Siz
 
 
 def _unflatten_mean(grads: list[torch.Tensor], world_size: int, summed: torch.futures.Future) -> None:
-    flat = summed.value().div_(world_size)
+    flat = summed.wait().div_(world_size)
     for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(part.view_as(grad))
-
-
-def _when_all(buffer: torch.Tensor, parts: torch.futures.Future) -> torch.Tensor:
-    for part in parts.value():
-        part.value()  # raises what failed
-    return buffer
-
-
-def _settle(target: torch.futures.Future, source: torch.futures.Future) -> None:
-    try:
-        target.set_result(source.value())
-    except Exception as error:
-        target.set_exception(error)
 
 
 def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
