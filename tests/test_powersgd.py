@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic.comm.group import GradientAllReduce, flat_all_reduce
+from elastic.comm.group import GradientAllReduce
 from elastic.techniques.powersgd import PowerSGD
 from gloo_processes import client, join, spawn
 

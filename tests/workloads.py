@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import elastic
+from elastic.checkpoint.checkpoint import latest_complete
 from elastic.checkpoint.storage import RunStorage
 from elastic.journal.events import read_events
 
@@ -399,17 +400,18 @@ def hold_at_gate(config: dict, step_index: int) -> None:
 
 def hold_for_checkpoint(config: dict, step_index: int) -> None:
     """Hold the train loop after step `hold_for_checkpoint[0]` until the run folder
-    `hold_for_checkpoint[2]` holds a complete checkpoint (its manifest written) of step
-    `hold_for_checkpoint[1]` or later: a fault that kills every rank a few steps on then
-    finds it, however slowly a loaded machine writes it in the background."""
+    `hold_for_checkpoint[2]` holds a complete checkpoint (`latest_complete`, the one a restart
+    takes) of step `hold_for_checkpoint[1]` or later: a fault that kills every rank a few steps
+    on then finds it, however slowly a loaded machine writes it in the background."""
     after, wanted, run_folder = config.get("hold_for_checkpoint", (-1, 0, ""))
+    if step_index != after:
+        return
+    run = RunStorage(str(Path(run_folder).parent), Path(run_folder).name)
     deadline = time.monotonic() + 120
-    while step_index == after and not any(
-            int(folder.name.removeprefix("step_")) >= wanted and (folder / "manifest.json").exists()
-            for folder in Path(run_folder, "checkpoints").glob("step_*")):
+    while (latest := latest_complete(run, on_skip=lambda step, why: None)) is None or latest.step < wanted:
         if time.monotonic() > deadline:
             raise AssertionError(f"no checkpoint of step {wanted} or later was complete in {run_folder} after 120 s")
-        time.sleep(0.01)
+        time.sleep(0.05)
 
 
 def fit_held(trainer, until, *more):
