@@ -353,11 +353,13 @@ SLOW_STEP_S = 0.25  # a sleep inside each step, standing for seconds of compute 
     pytest.param(Strategy(sync="easgd:every=8"), marks=pytest.mark.soak),
     pytest.param(ZERO, marks=pytest.mark.soak),
     pytest.param(Strategy(zero=3), marks=pytest.mark.soak),
-], ids=["diloco", "easgd", "zero", "zero3"])
+    pytest.param(POWERSGD, marks=pytest.mark.soak),
+], ids=["diloco", "easgd", "zero", "zero3", "powersgd"])
 def test_slow_steps_heal_a_sigkill_sent_from_outside_at_a_moment_inside_a_step(local_ray, tmp_path, ddp_reference,
                                                                                strategy):
     # From step 12 on, rank 1's process is killed at a random moment of a step: mid-interval
-    # for DiLoCo and EASGD, anywhere in the forward, the gradient sync or ZeRO's own step.
+    # for DiLoCo and EASGD, anywhere in the forward, the gradient sync, PowerSGD's factors or
+    # ZeRO's own step.
     killer = OutsideKiller("mid-step", str(tmp_path), "sigkill", SimpleNamespace(compute_s=SLOW_STEP_S), seed=7)
     killer.start()
     result = _fit(tmp_path, "sigkill", ScalingConfig(min_workers=2, max_workers=3), strategy,
