@@ -1,5 +1,6 @@
 """A failed step rewinds the random streams to its start (`RandomState.mark` / `rewind`), and
-numpy's state is read from raw bytes while the loop does not draw from it (`NumpyState`): the
+numpy's and python's states are read from raw bytes while the loop does not draw from them
+(`NumpyState`, `PythonState`): the
 redone step must draw exactly what the step drew the first time, whatever the loop drew before."""
 
 import random
@@ -8,7 +9,7 @@ import numpy
 import pytest
 import torch
 
-from elastic.worker.random_state import NumpyState, RandomState
+from elastic.worker.random_state import NumpyState, PythonState, RandomState
 
 
 def _draws() -> tuple:
@@ -67,3 +68,28 @@ def test_another_global_bit_generator_is_read_in_full():
         assert _draws() == first
     finally:
         numpy.random.set_bit_generator(original)
+
+
+def test_python_state_is_read_from_raw_bytes_while_unchanged_and_equals_getstate():
+    random.seed(11)
+    reader = PythonState()
+    first = reader.read()
+    assert first == random.getstate()
+    assert reader.read()[1] is first[1]  # nothing drawn: the last full read's key stands
+    random.random()
+    drawn = reader.read()
+    assert drawn == random.getstate() and drawn[1] is not first[1]
+    random.seed(11)
+    assert reader.read() == first
+
+
+def test_python_gaussian_cached_without_moving_the_key_is_still_rewound():
+    # gauss() draws two normals and caches one; the next gauss() returns the cache, which moves
+    # no byte of the key: the raw bytes alone cannot see it.
+    random.seed(13)
+    random.gauss(0.0, 1.0)
+    state = RandomState()
+    state.mark()
+    cached = random.gauss(0.0, 1.0)
+    state.rewind()
+    assert random.gauss(0.0, 1.0) == cached

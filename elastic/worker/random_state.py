@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+import struct
 from typing import Any
 
 import torch
@@ -36,12 +37,13 @@ class RandomState:
 
     def __init__(self) -> None:
         self._mark: tuple | None = None
+        self._read_python = PythonState().read  # python's state at a step's start
         # numpy's state at a step's start; get_bit_generator, which the quick read needs, came in numpy 1.25.
         self._read_numpy = (None if numpy is None else NumpyState().read
                             if hasattr(numpy.random, "get_bit_generator") else numpy.random.get_state)
 
     def mark(self) -> None:
-        self._mark = (torch.default_generator.get_state(), random.getstate(),
+        self._mark = (torch.default_generator.get_state(), self._read_python(),
                       self._read_numpy() if self._read_numpy is not None else None,
                       torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
 
@@ -82,6 +84,43 @@ class RandomState:
             numpy.random.set_state(("MT19937", keys, values[-2], values[-1], float(state["numpy_gauss"][0])))
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(list(state["cuda"].cpu()))
+
+
+_PYTHON_STATE_FORMAT = "=i624I"  # CPython's RandomObject after the object header: int index, uint32_t state[624]
+
+
+class PythonState:
+    """python's global generator state (`random.getstate()`), read at every step's start at a
+    microsecond's cost while the loop does not draw from it.
+
+    `getstate` builds a tuple of 625 ints, about 9 µs warm and several times that at a step's
+    start, cold from the backward. CPython keeps the generator's index and key right after the
+    object's header, as raw bytes readable through ctypes in a tenth of a microsecond. When they
+    equal the bytes of the last full read, the key is that read's (the gaussian that `gauss`
+    caches is an attribute, read each time). The layout is checked once against `getstate`; an
+    interpreter where it differs is read in full every time.
+    """
+
+    def __init__(self) -> None:
+        self._generator = random._inst  # what random.getstate() reads
+        self._internal: tuple | None = None
+        self._raw: bytes | None = None
+        self._raw_view: Any = None
+        version, internal, _ = self._generator.getstate()
+        size = struct.calcsize(_PYTHON_STATE_FORMAT)
+        view = (ctypes.c_char * size).from_address(id(self._generator) + object.__basicsize__)
+        index, *key = struct.unpack(_PYTHON_STATE_FORMAT, view.raw)
+        if version == 3 and internal == (*key, index):
+            self._raw_view = view
+
+    def read(self) -> tuple:
+        generator = self._generator
+        if self._raw_view is None:
+            return generator.getstate()
+        raw = self._raw_view.raw
+        if raw != self._raw:
+            self._internal, self._raw = generator.getstate()[1], raw
+        return 3, self._internal, generator.gauss_next
 
 
 _MT19937_STATE_BYTES = 624 * 4 + ctypes.sizeof(ctypes.c_int)  # numpy's mt19937_state: uint32 key[624], int pos
