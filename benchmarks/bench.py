@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.bench                   # full run, 3 rounds, about 15 minutes
     .venv/bin/python -m benchmarks.bench --quick           # fewer steps, one round, about 5 minutes
     .venv/bin/python -m benchmarks.bench --only protocol   # the healing protocol's figures alone, about 5 minutes
+    .venv/bin/python -m benchmarks.bench --only steady     # plain DDP (bare, beside an idle Ray) and elastic's steady steps
     .venv/bin/python -m benchmarks.bench --out /tmp/bench.json
 
 Run it from the repository root. The workload (benchmarks/workload.py) is an MLP
@@ -33,7 +34,9 @@ the first round only, so their figures have one round: Ray Train's reporting run
 steps lasts one poll of its controller, ~2 s, so a repeat costs minutes and tells nothing
 new), elastic's checkpoint run and its chaos run (70 s). The JSON lands in
 benchmarks/results/bench.json unless --out says otherwise; a short table is printed.
-`--only protocol` merges its keys into the JSON already at --out and keeps the others;
+`--only protocol` merges its keys into the JSON already at --out and keeps the others, and so
+does `--only steady`, which runs plain DDP, plain DDP beside an idle Ray and elastic's steady
+runs alone (no Ray Train, no recovery, checkpoint, hang or chaos run);
 `produced_by` records which command wrote which keys, and when. Another script merges its own
 figures the same way with `merge_figures` (benchmarks/checkpoint_run.py does), and a full run
 keeps what other scripts merged.
@@ -71,7 +74,11 @@ DEFAULT_OUT = os.path.join(REPO_ROOT, "benchmarks", "results", "bench.json")
 SYSTEMS = ("torch_ddp", "torch_ddp_with_ray", "ray_train", "elastic")
 # The healing protocol's runs, each in a subprocess of its own (benchmarks/protocol_run.py).
 PROTOCOL_SYSTEMS = ("protocol_fast", "protocol_slow", "protocol_spare")
-ONLY = {"protocol": PROTOCOL_SYSTEMS}
+# The steady step's figures alone: elastic runs only its steady runs (`steady_only`).
+STEADY_SYSTEMS = ("torch_ddp", "torch_ddp_with_ray", "elastic")
+ONLY = {"protocol": PROTOCOL_SYSTEMS, "steady": STEADY_SYSTEMS}
+STEADY_FIGURES = ("steady_step_ratio_vs_torch_with_ray", "steady_step_ratio_vs_torch", "idle_ray_step_ratio",
+                  "report_every_step_ratio")
 STEADY_RUNS = ("torch_ddp", "torch_ddp_with_ray", "ray_train", "ray_train_report", "elastic", "elastic_report")
 # A figure whose rounds spread wider than this fraction of their median is flagged: (max - min) / median.
 DISAGREE_FRACTION = 0.1
@@ -148,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_index in range(plan.rounds):
         for system in systems:
             label = f"{system}-round{round_index}"
-            params = {**plan.__dict__, "first_round": round_index == 0}
+            params = {**plan.__dict__, "first_round": round_index == 0, "steady_only": args.only == "steady"}
             outcome = _measure_in_subprocess(label, system, params, plan.timeout_s, log_dir)
             if "error" in outcome:
                 errors[label] = outcome["error"]
@@ -160,9 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     protocol_errors = {label: why for label, why in errors.items() if label.startswith(PROTOCOL_SYSTEMS)}
     protocol_walls = {label: wall for label, wall in walls.items() if label.startswith(PROTOCOL_SYSTEMS)}
     protocol_figures, protocol = _summarise_protocol(args, plan, protocol_runs, protocol_errors, protocol_walls)
-    if args.only:
+    if args.only == "protocol":
         report = merge_figures(args.out, protocol_figures, protocol, PROTOCOL_DEFINITIONS,
                                _command(), time.time() - started)
+    elif args.only == "steady":
+        step_times, steady_steps, step_errors = _step_times(outcomes)
+        errors.update(step_errors)
+        figures = {key: values for key, values in _steady_figures(step_times).items() if key in STEADY_FIGURES}
+        figures.update({f"median_step_s.{name}": values for name, values in step_times.items() if values})
+        report = merge_figures(args.out, figures, {"round_steady_steps_alone": {
+            name: counts for name, counts in steady_steps.items() if counts}}, DEFINITIONS, _command(),
+            time.time() - started)
     else:
         step_times, steady_steps, step_errors = _step_times(outcomes)
         errors.update(step_errors)
@@ -295,6 +310,8 @@ def _measure_on_ray(system: str, params: dict[str, Any]) -> dict[str, Any]:
             "hang": lambda: elastic_run.hang(params["recovery_steps"], params["kill_step"], storage),
             "chaos": lambda: elastic_run.chaos(params["chaos_steps"], params["chaos_every_steps"], storage),
         }
+        if params["steady_only"]:
+            runs = {name: runs[name] for name in ("steady", "report")}
         once = ("checkpoint", "chaos")
     elif system == "protocol_fast":
         runs = {"protocol": lambda: protocol_run.heal_and_grow(
@@ -356,7 +373,7 @@ def _step_times(outcomes: dict[str, list[dict[str, Any] | None]]
     times: dict[str, list[float | None]] = {name: [] for name in STEADY_RUNS}
     counts: dict[str, list[int | None]] = {name: [] for name in STEADY_RUNS}
     errors: dict[str, str] = {}
-    for system in SYSTEMS:
+    for system in (system for system in SYSTEMS if system in outcomes):
         for run, name in (("steady", system), ("report", f"{system}_report")):
             if name not in STEADY_RUNS:
                 continue
@@ -386,14 +403,7 @@ def _summarise(args: argparse.Namespace, plan: Plan, outcomes: dict[str, list[di
 
     elastic, ray_runs = outcomes["elastic"], outcomes["ray_train"]
     figures = {
-        "steady_step_ratio_vs_torch_with_ray": _ratios(step_times["elastic"], step_times["torch_ddp_with_ray"]),
-        "steady_step_ratio_vs_torch": _ratios(step_times["elastic"], step_times["torch_ddp"]),
-        "ray_train_steady_step_ratio_vs_torch_with_ray": _ratios(step_times["ray_train"],
-                                                                 step_times["torch_ddp_with_ray"]),
-        "ray_train_steady_step_ratio_vs_torch": _ratios(step_times["ray_train"], step_times["torch_ddp"]),
-        "idle_ray_step_ratio": _ratios(step_times["torch_ddp_with_ray"], step_times["torch_ddp"]),
-        "report_every_step_ratio": _ratios(step_times["elastic_report"], step_times["elastic"]),
-        "ray_train_report_every_step_ratio": _ratios(step_times["ray_train_report"], step_times["ray_train"]),
+        **_steady_figures(step_times),
         "elastic_recovery_s": _field(elastic, "recovery", "recovery_s"),
         "steps_lost": _field(elastic, "recovery", "steps_lost"),
         "ray_train_recovery_s": _field(ray_runs, "recovery", "recovery_s"),
@@ -471,6 +481,20 @@ DEFINITIONS = {
     "checkpoint_*, goodput_chaos": "elastic's checkpoint run (a checkpoint every 10 steps) and chaos run (a kill "
                                    "about every 10 s) happen in the first round only",
 }
+
+
+def _steady_figures(step_times: dict[str, list[float | None]]) -> dict[str, list[float | None]]:
+    """The steady step's ratios, round by round; a run that did not take place gives a ratio of None."""
+    times = {name: step_times.get(name) or [] for name in STEADY_RUNS}
+    return {
+        "steady_step_ratio_vs_torch_with_ray": _ratios(times["elastic"], times["torch_ddp_with_ray"]),
+        "steady_step_ratio_vs_torch": _ratios(times["elastic"], times["torch_ddp"]),
+        "ray_train_steady_step_ratio_vs_torch_with_ray": _ratios(times["ray_train"], times["torch_ddp_with_ray"]),
+        "ray_train_steady_step_ratio_vs_torch": _ratios(times["ray_train"], times["torch_ddp"]),
+        "idle_ray_step_ratio": _ratios(times["torch_ddp_with_ray"], times["torch_ddp"]),
+        "report_every_step_ratio": _ratios(times["elastic_report"], times["elastic"]),
+        "ray_train_report_every_step_ratio": _ratios(times["ray_train_report"], times["ray_train"]),
+    }
 
 
 def _ratios(numerators: list[float | None], denominators: list[float | None]) -> list[float | None]:
