@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import random
 import struct
+import sys
 from typing import Any
 
 import torch
@@ -106,11 +107,14 @@ class PythonState:
         self._internal: tuple | None = None
         self._raw: bytes | None = None
         self._raw_view: Any = None
-        version, internal, _ = self._generator.getstate()
+        self._version, internal, _ = self._generator.getstate()
         size = struct.calcsize(_PYTHON_STATE_FORMAT)
+        # Only where id() is the object's address and the object is large enough to hold the layout.
+        if sys.implementation.name != "cpython" or type(self._generator).__basicsize__ < object.__basicsize__ + size:
+            return
         view = (ctypes.c_char * size).from_address(id(self._generator) + object.__basicsize__)
         index, *key = struct.unpack(_PYTHON_STATE_FORMAT, view.raw)
-        if version == 3 and internal == (*key, index):
+        if internal == (*key, index):
             self._raw_view = view
 
     def read(self) -> tuple:
@@ -120,7 +124,7 @@ class PythonState:
         raw = self._raw_view.raw
         if raw != self._raw:
             self._internal, self._raw = generator.getstate()[1], raw
-        return 3, self._internal, generator.gauss_next
+        return self._version, self._internal, generator.gauss_next
 
 
 _MT19937_STATE_BYTES = 624 * 4 + ctypes.sizeof(ctypes.c_int)  # numpy's mt19937_state: uint32 key[624], int pos
