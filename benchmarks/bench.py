@@ -79,6 +79,10 @@ STEADY_SYSTEMS = ("torch_ddp", "torch_ddp_with_ray", "elastic")
 ONLY = {"protocol": PROTOCOL_SYSTEMS, "steady": STEADY_SYSTEMS}
 STEADY_FIGURES = ("steady_step_ratio_vs_torch_with_ray", "steady_step_ratio_vs_torch", "idle_ray_step_ratio",
                   "report_every_step_ratio")
+STEADY_DEFINITIONS = ("spread", "median_step_s", "steady_step_ratio_vs_torch_with_ray, steady_step_ratio_vs_torch",
+                      "idle_ray_step_ratio", "report_every_step_ratio, ray_train_report_every_step_ratio")
+STEADY_ALONE_DEFINITION = ("`--only steady`'s run: its steps and rounds, the steady steps each of its runs counted in "
+                           "each round, and the measurements that failed")
 STEADY_RUNS = ("torch_ddp", "torch_ddp_with_ray", "ray_train", "ray_train_report", "elastic", "elastic_report")
 # A figure whose rounds spread wider than this fraction of their median is flagged: (max - min) / median.
 DISAGREE_FRACTION = 0.1
@@ -163,36 +167,40 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             walls[label] = outcome.pop("wall_s")
             outcomes[system].append(outcome)
-    protocol_runs = {name: [o["protocol"] for o in outcomes.get(name, []) if o] for name in PROTOCOL_SYSTEMS}
-    protocol_errors = {label: why for label, why in errors.items() if label.startswith(PROTOCOL_SYSTEMS)}
-    protocol_walls = {label: wall for label, wall in walls.items() if label.startswith(PROTOCOL_SYSTEMS)}
-    protocol_figures, protocol = _summarise_protocol(args, plan, protocol_runs, protocol_errors, protocol_walls)
-    if args.only == "protocol":
-        report = merge_figures(args.out, protocol_figures, protocol, PROTOCOL_DEFINITIONS,
-                               _command(), time.time() - started)
-    elif args.only == "steady":
+    if args.only == "steady":
         step_times, steady_steps, step_errors = _step_times(outcomes)
         errors.update(step_errors)
         figures = {key: values for key, values in _steady_figures(step_times).items() if key in STEADY_FIGURES}
         figures.update({f"median_step_s.{name}": values for name, values in step_times.items() if values})
-        report = merge_figures(args.out, figures, {"round_steady_steps_alone": {
-            name: counts for name, counts in steady_steps.items() if counts}}, DEFINITIONS, _command(),
-            time.time() - started)
+        details = {"steady_alone": {"steps": plan.steps, "rounds": plan.rounds, "errors": errors,
+                                    "round_steady_steps": {name: n for name, n in steady_steps.items() if n}}}
+        definitions = {key: DEFINITIONS[key] for key in STEADY_DEFINITIONS}
+        merge_figures(args.out, figures, details, {**definitions, "steady_alone": STEADY_ALONE_DEFINITION},
+                      _command(), time.time() - started)
+        print_medians(figures)
     else:
-        step_times, steady_steps, step_errors = _step_times(outcomes)
-        errors.update(step_errors)
-        figures, details = _summarise(args, plan, outcomes, step_times, steady_steps, errors, walls,
-                                      time.time() - started)
-        report = _add_figures({**details, **protocol}, {**figures, **protocol_figures})
-        report["definitions"] = {**DEFINITIONS, **PROTOCOL_DEFINITIONS}
-        report["produced_by"] = [{**_provenance(_command(), time.time() - started), "keys": sorted(report)}]
-        try:
-            existing = read_report(args.out)
-        except (OSError, ValueError) as exc:
-            print(f"[bench] replacing {args.out} whole: it could not be read ({exc})", file=sys.stderr)
-            existing = {}
-        _write_report(args.out, _keep_merged_by_others(existing, report))
-    _print_table(report)
+        protocol_runs = {name: [o["protocol"] for o in outcomes.get(name, []) if o] for name in PROTOCOL_SYSTEMS}
+        protocol_errors = {label: why for label, why in errors.items() if label.startswith(PROTOCOL_SYSTEMS)}
+        protocol_walls = {label: wall for label, wall in walls.items() if label.startswith(PROTOCOL_SYSTEMS)}
+        protocol_figures, protocol = _summarise_protocol(args, plan, protocol_runs, protocol_errors, protocol_walls)
+        if args.only == "protocol":
+            report = merge_figures(args.out, protocol_figures, protocol, PROTOCOL_DEFINITIONS,
+                                   _command(), time.time() - started)
+        else:
+            step_times, steady_steps, step_errors = _step_times(outcomes)
+            errors.update(step_errors)
+            figures, details = _summarise(args, plan, outcomes, step_times, steady_steps, errors, walls,
+                                          time.time() - started)
+            report = _add_figures({**details, **protocol}, {**figures, **protocol_figures})
+            report["definitions"] = {**DEFINITIONS, **PROTOCOL_DEFINITIONS}
+            report["produced_by"] = [{**_provenance(_command(), time.time() - started), "keys": sorted(report)}]
+            try:
+                existing = read_report(args.out)
+            except (OSError, ValueError) as exc:
+                print(f"[bench] replacing {args.out} whole: it could not be read ({exc})", file=sys.stderr)
+                existing = {}
+            _write_report(args.out, _keep_merged_by_others(existing, report))
+        _print_table(report)
     print(f"\nwrote {args.out}")
     if errors:
         print(f"{len(errors)} measurement(s) failed: {', '.join(errors)}; logs in {log_dir}", file=sys.stderr)

@@ -123,7 +123,10 @@ class PythonState:
             return generator.getstate()
         raw = self._raw_view.raw
         if raw != self._raw:
-            self._internal, self._raw = generator.getstate()[1], raw
+            internal = generator.getstate()[1]
+            # Cached only if no other thread drew between the two reads: the bytes must name the key.
+            self._internal, self._raw = internal, (raw if self._raw_view.raw == raw else None)
+            return self._version, internal, generator.gauss_next
         return self._version, self._internal, generator.gauss_next
 
 
