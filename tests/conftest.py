@@ -13,15 +13,15 @@ ray.cloudpickle.register_pickle_by_value(workloads)
 
 _EXIT_STATUS = pytest.StashKey[int]()
 
-# The modules that take longest on 2 cores, longest first (`pytest --durations=0`, 2026-12-03).
+# The modules that take longest on 2 cores, longest first (`pytest --durations=0`, 2026-12-04).
 # `make test` runs two pytest processes (pytest-xdist, `--dist loadfile --no-loadscope-reorder`)
 # that each take whole modules in this order, so the long ones, started first, end together with
 # the short ones instead of leaving one process to run them alone.
-LONGEST_MODULES = ("test_techniques", "test_zero", "test_failures", "test_chaos_matrix", "test_cluster",
-                   "test_pipeline_runs", "test_streaming", "test_job_submit", "test_partitions", "test_resume",
-                   "test_habits", "test_stale", "test_chaos", "test_faults", "test_huggingface", "test_fsdp",
-                   "test_healing", "test_metrics", "test_s3", "test_links", "test_state_sync", "test_hierarchical",
-                   "test_pipeline")
+LONGEST_MODULES = ("test_techniques", "test_cluster", "test_chaos_matrix", "test_failures", "test_streaming",
+                   "test_pipeline_runs", "test_job_submit", "test_habits", "test_resume", "test_stale", "test_faults",
+                   "test_partitions", "test_chaos", "test_s3", "test_huggingface", "test_metrics", "test_healing",
+                   "test_zero", "test_overlap", "test_fsdp", "test_nccl_survival", "test_powersgd",
+                   "test_tensor_parallel", "test_state_sync", "test_links", "test_hierarchical", "test_pipeline")
 
 
 @pytest.fixture(scope="module")
