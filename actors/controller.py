@@ -121,8 +121,13 @@ class Controller:
         ticker = asyncio.ensure_future(self._tick())
         try:
             while not self.protocol.finished and not isinstance(self.protocol.state, Failed):
-                observation = await self.inbox.get()
-                await self._execute(self.protocol.step(observation, time.time()))
+                # Every observation that queued meanwhile, as one batch (`signals.coalesce`).
+                batch = [await self.inbox.get()]
+                while not self.inbox.empty():
+                    batch.append(self.inbox.get_nowait())
+                actions = [action for observation in batch
+                           for action in self.protocol.step(observation, time.time())]
+                await self._execute(signals.coalesce(actions))
                 if self.start_error is not None:
                     raise self.start_error
         finally:

@@ -12,7 +12,10 @@ at W workers (min_workers W/2, max_workers W) goes through:
 - grow: its replacement reports ready, the W-1 members answer the prepare with their step, and
   the W members acknowledge the grow;
 - wave: 1% of the members (W/100, at least 1) die within 100 ms, each aborting the pending heal
-  and offering the next; the survivors report their broken group and acknowledge the last heal;
+  and offering the next; the survivors report their broken group and acknowledge the last heal.
+  The first death comes alone and the others in one batch, as the controller steps through them:
+  they queue while it sends the first heal's offer (W calls, seconds at 10,000), and the offers
+  and aborts of the heals they withdraw are never sent (`signals.coalesce`);
 - replay: the journal those events make (each Emit as the controller journals it) is written to
   a run folder, and a restarted controller's path is timed: `read_events`, `resume` and a new
   `Protocol` with what it resumed.
@@ -25,7 +28,9 @@ out of the actions, a list append each). Between events the run commits a step
 The figures merge into benchmarks/results/bench.json (unless --out) as
 `scale_simulated.<W>.<event>_cpu_s` and `scale_simulated.<W>.replay_s`, each the median over the
 rounds, with min, median and max under `spread`; `scale_simulated_setup` holds the observation
-counts of each event.
+counts of each event. `scale_simulated.<W>.wave_worker_calls` counts the calls to workers the
+wave's offers, prepares and aborts make as the controller sends them, and
+`..._calls_one_batch_per_death` as they went when each death was stepped and sent on its own.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ from elastic.checkpoint.storage import RunStorage
 from elastic.controller.fake_group import FakeWorkerGroup
 from elastic.controller.protocol import Protocol
 from elastic.controller.signals import (
-    Emit, Exit, GroupBroken, Observation, SwitchPrepared, WorkerExited, WorkerReady,
+    Abort, Action, Emit, Exit, GroupBroken, Observation, Offer, Prepare, SwitchPrepared, WorkerExited, WorkerReady,
+    coalesce,
 )
 from elastic.journal.events import EventJournal, read_events
 from elastic.journal.resume import resume
@@ -61,6 +67,11 @@ DEFINITIONS = {
                        "answers, the acknowledgements), a wave of W/100 deaths within 100 ms and its heal, and "
                        "replay_s: reading back the journal those events made, resuming from it and building the "
                        "restarted controller's Protocol",
+    "scale_simulated.wave_worker_calls": "the calls to workers (one per member an offer, prepare or abort names) "
+                                         "that the wave's actions make as the controller sends them: the first death "
+                                         "alone, the rest in one batch (signals.coalesce); "
+                                         "wave_worker_calls_one_batch_per_death: each death's actions sent on their "
+                                         "own, as before the batches",
 }
 
 
@@ -72,6 +83,7 @@ class Round:
         self.group = FakeWorkerGroup(min_workers=max(1, size // 2), max_workers=size)
         self.cpu_s: dict[str, float] = {}
         self.observations: dict[str, int] = {}
+        self.worker_calls = {"coalesced": 0, "one_batch_per_death": 0}  # the wave's
         self.step = 0
 
     def timed(self, event: str, observations: Iterable[Observation], after_s: float = 0.001) -> None:
@@ -79,9 +91,12 @@ class Round:
         what the protocol did so far, before the clock starts."""
         batch = list(observations)
         began = time.process_time()
-        self.group.deliver(batch, after_s)
+        actions = self.group.deliver(batch, after_s)
         self.cpu_s[event] = self.cpu_s.get(event, 0.0) + time.process_time() - began
         self.observations[event] = self.observations.get(event, 0) + len(batch)
+        if event == "wave":
+            self.worker_calls["coalesced"] += _worker_calls(coalesce(actions))
+            self.worker_calls["one_batch_per_death"] += _worker_calls(actions)
 
     def commit_a_step(self) -> None:
         self.step += 1
@@ -108,7 +123,8 @@ class Round:
 
         count = max(1, int(size * WAVE_FRACTION))
         dying = group.protocol.members[1::size // count][:count]
-        self.timed("wave", [_death(w) for w in dying], WAVE_WINDOW_S / count)
+        self.timed("wave", [_death(dying[0])])
+        self.timed("wave", [_death(w) for w in dying[1:]], WAVE_WINDOW_S / count)
         self.timed("wave", self._broken() + group.formed_reports(step=self.step))
         self._check(size - count)
 
@@ -151,6 +167,12 @@ class Round:
         return spent
 
 
+def _worker_calls(actions: list[Action]) -> int:
+    """The calls to workers that `actions` make: one per member named by an offer, prepare or abort."""
+    named = {Offer: lambda a: a.formation.members, Prepare: lambda a: a.members, Abort: lambda a: a.workers}
+    return sum(len(named[type(a)](a)) for a in actions if type(a) in named)
+
+
 def _ready(worker_ids: Iterable[int]) -> list[Observation]:
     return [WorkerReady(w, node=f"node-{w}", pid=1000 + w) for w in worker_ids]
 
@@ -164,12 +186,14 @@ def main(sizes: tuple[int, ...] | None, rounds: int | None, out: str | None, arg
     started = time.time()
     measured: dict[int, list[dict[str, float]]] = {size: [] for size in sizes}
     counts: dict[int, dict[str, int]] = {}
+    calls: dict[int, list[dict[str, int]]] = {size: [] for size in sizes}
     # Rounds outside, sizes inside: a burst of load on the machine hits every size alike.
     for round_index in range(rounds):
         for size in sizes:
             simulated = Round(size)
             cpu = simulated.run()
             measured[size].append(cpu)
+            calls[size].append(simulated.worker_calls)
             counts[size] = simulated.observations
             print(f"[scale --simulated] W={size} round {round_index}: "
                   + ", ".join(f"{event} {seconds * 1e3:.1f} ms" for event, seconds in cpu.items()), flush=True)
@@ -178,6 +202,9 @@ def main(sizes: tuple[int, ...] | None, rounds: int | None, out: str | None, arg
         for event in EVENTS:
             figures[f"scale_simulated.{size}.{event}_cpu_s"] = [run[event] for run in runs]
         figures[f"scale_simulated.{size}.replay_s"] = [run["replay"] for run in runs]
+        figures[f"scale_simulated.{size}.wave_worker_calls"] = [run["coalesced"] for run in calls[size]]
+        figures[f"scale_simulated.{size}.wave_worker_calls_one_batch_per_death"] = [
+            run["one_batch_per_death"] for run in calls[size]]
     details: dict[str, Any] = {"scale_simulated_setup": {
         "sizes": list(sizes), "rounds": rounds, "wave_fraction": WAVE_FRACTION, "wave_window_s": WAVE_WINDOW_S,
         "observations": {str(size): count for size, count in counts.items()},

@@ -15,7 +15,7 @@ from elastic.config import FailureConfig, ScalingConfig
 from elastic.controller.protocol import Protocol
 from elastic.controller.signals import (
     Abort, Action, Emit, Exit, FormedReport, Kill, Observation, Offer, PollProgress, Prepare, StartWorkers,
-    SwitchPrepared, Tick, WorkerExited, WorkerReady,
+    SwitchPrepared, Tick, WorkerExited, WorkerReady, coalesce,
 )
 
 MAX_STEPS = 1000
@@ -48,7 +48,8 @@ class FakeWorkerGroup:
         return self.deliver([observation], after_s)
 
     def deliver(self, observations: Iterable[Observation], after_s: float = 0.01) -> list[Action]:
-        """Step the protocol through `observations` in order and carry out what it did; its actions.
+        """Step the protocol through `observations` in order and carry out, as the controller does
+        one batch (`coalesce`), what it did; its actions, before coalescing.
 
         Nothing but the protocol's own steps runs between two observations, so a benchmark that
         builds them first and times this call times the controller's decisions."""
@@ -56,7 +57,7 @@ class FakeWorkerGroup:
         for observation in observations:
             self.now += after_s
             actions += step(observation, self.now)
-        self._carry(actions)
+        self._carry(coalesce(actions))
         return actions
 
     def ready(self, *worker_ids: int, after_s: float = 0.01) -> list[Action]:

@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.controller.states import Formation
+from elastic.controller.states import Formation, Reason
 
 # --- observations ---------------------------------------------------------------------
 
@@ -183,3 +183,35 @@ class Emit:
 
 
 Action = StartWorkers | Prepare | Offer | Abort | Forget | Kill | PollProgress | Emit
+
+
+def coalesce(actions: list[Action]) -> list[Action]:
+    """What the actions of one batch of observations come to: a generation first announced in
+    the batch (its prepare, or the offer of a formation that needs none) and aborted later in the
+    same batch is never sent, nor its abort to the workers; its barrier key is still set.
+
+    A wave of deaths otherwise offers a heal to every survivor per death, each offer aborted by
+    the next death: W calls a death. The controller steps the protocol through every observation
+    that queued while it carried out the last batch (a 10,000-worker offer takes seconds), so a
+    wave's deaths after the first come in one batch and one offer (docs/architecture.md, "Scale,
+    on paper")."""
+    announced: set[int] = set()
+    withdrawn: set[int] = set()
+    for action in actions:
+        if isinstance(action, Prepare) or (isinstance(action, Offer) and action.formation.reason != Reason.GROW):
+            announced.add(action.generation if isinstance(action, Prepare) else action.formation.generation)
+        elif isinstance(action, Abort) and action.generation in announced:
+            withdrawn.add(action.generation)
+    if not withdrawn:
+        return actions
+
+    def sent(action: Action) -> Action | None:
+        if isinstance(action, Prepare):
+            return None if action.generation in withdrawn else action
+        if isinstance(action, Offer):
+            return None if action.formation.generation in withdrawn else action
+        if isinstance(action, Abort) and action.generation in withdrawn:
+            return Abort(action.generation, ())
+        return action
+
+    return [kept for kept in map(sent, actions) if kept is not None]
