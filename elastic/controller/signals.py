@@ -198,20 +198,18 @@ def coalesce(actions: list[Action]) -> list[Action]:
     announced: set[int] = set()
     withdrawn: set[int] = set()
     for action in actions:
-        if isinstance(action, Prepare) or (isinstance(action, Offer) and action.formation.reason != Reason.GROW):
-            announced.add(action.generation if isinstance(action, Prepare) else action.formation.generation)
-        elif isinstance(action, Abort) and action.generation in announced:
+        if isinstance(action, Abort) and action.generation in announced:
             withdrawn.add(action.generation)
-    if not withdrawn:
-        return actions
-
-    def sent(action: Action) -> Action | None:
-        if isinstance(action, Prepare):
-            return None if action.generation in withdrawn else action
-        if isinstance(action, Offer):
-            return None if action.formation.generation in withdrawn else action
+        elif isinstance(action, Prepare) or (isinstance(action, Offer) and action.formation.reason != Reason.GROW):
+            announced.add(_generation(action))
+    kept: list[Action] = []
+    for action in actions:
         if isinstance(action, Abort) and action.generation in withdrawn:
-            return Abort(action.generation, ())
-        return action
+            kept.append(Abort(action.generation, ()))
+        elif not (isinstance(action, (Prepare, Offer)) and _generation(action) in withdrawn):
+            kept.append(action)
+    return kept
 
-    return [kept for kept in map(sent, actions) if kept is not None]
+
+def _generation(action: Prepare | Offer) -> int:
+    return action.generation if isinstance(action, Prepare) else action.formation.generation
