@@ -44,11 +44,10 @@ from typing import Any
 
 from benchmarks.bench import DEFAULT_OUT, command_line, merge_figures, print_medians
 from elastic.checkpoint.storage import RunStorage
-from elastic.controller.fake_group import FakeWorkerGroup
+from elastic.controller.fake_group import FakeWorkerGroup, death
 from elastic.controller.protocol import Protocol
 from elastic.controller.signals import (
-    Abort, Action, Emit, Exit, GroupBroken, Observation, Offer, Prepare, SwitchPrepared, WorkerExited, WorkerReady,
-    coalesce,
+    Abort, Action, Emit, GroupBroken, Observation, Offer, Prepare, SwitchPrepared, WorkerReady, coalesce,
 )
 from elastic.journal.events import EventJournal, read_events
 from elastic.journal.resume import resume
@@ -109,7 +108,7 @@ class Round:
         self._check(size)
         self.commit_a_step()
 
-        self.timed("heal", [_death(1)])
+        self.timed("heal", [death(1)])
         self.timed("heal", self._broken() + group.formed_reports(step=self.step))
         self._check(size - 1)
         self.commit_a_step()
@@ -123,8 +122,8 @@ class Round:
 
         count = max(1, int(size * WAVE_FRACTION))
         dying = group.protocol.members[1::size // count][:count]
-        self.timed("wave", [_death(dying[0])])
-        self.timed("wave", [_death(w) for w in dying[1:]], WAVE_WINDOW_S / count)
+        self.timed("wave", [death(dying[0])])
+        self.timed("wave", [death(w) for w in dying[1:]], WAVE_WINDOW_S / count)
         self.timed("wave", self._broken() + group.formed_reports(step=self.step))
         self._check(size - count)
 
@@ -169,16 +168,19 @@ class Round:
 
 def _worker_calls(actions: list[Action]) -> int:
     """The calls to workers that `actions` make: one per member named by an offer, prepare or abort."""
-    named = {Offer: lambda a: a.formation.members, Prepare: lambda a: a.members, Abort: lambda a: a.workers}
-    return sum(len(named[type(a)](a)) for a in actions if type(a) in named)
+    calls = 0
+    for action in actions:
+        if isinstance(action, Offer):
+            calls += len(action.formation.members)
+        elif isinstance(action, Prepare):
+            calls += len(action.members)
+        elif isinstance(action, Abort):
+            calls += len(action.workers)
+    return calls
 
 
 def _ready(worker_ids: Iterable[int]) -> list[Observation]:
     return [WorkerReady(w, node=f"node-{w}", pid=1000 + w) for w in worker_ids]
-
-
-def _death(worker_id: int) -> WorkerExited:
-    return WorkerExited(worker_id, Exit.DIED, "ActorDiedError: worker process died")
 
 
 def main(sizes: tuple[int, ...] | None, rounds: int | None, out: str | None, argv: list[str] | None) -> int:

@@ -9,11 +9,11 @@ checks.
 import pytest
 
 from elastic.config import FailureConfig, ScalingConfig
-from elastic.controller.fake_group import MAX_STEPS, FakeWorkerGroup
+from elastic.controller.fake_group import MAX_STEPS, FakeWorkerGroup, death
 from elastic.controller.protocol import MAX_FAILED_FORMATIONS, Protocol, Status
 from elastic.controller.signals import (
-    PREPARE_SLACK_STEPS, Abort, Exit, FormedReport, GroupBroken, Offer, Prepare, ProgressPolled, ShardWritten, Tick,
-    WorkerExited, WorkerProgress, WorkerReady, coalesce,
+    PREPARE_SLACK_STEPS, Abort, FormedReport, GroupBroken, Offer, Prepare, ProgressPolled, ShardWritten, Tick,
+    WorkerProgress, WorkerReady, coalesce,
 )
 from elastic.controller.states import Reason
 
@@ -118,15 +118,11 @@ def test_two_deaths_within_milliseconds_end_in_one_generation_of_the_survivors()
     assert group.protocol.members == (0, 3) and group.state == "RUNNING"
 
 
-def _death(worker_id):
-    return WorkerExited(worker_id, Exit.DIED, "ActorDiedError: worker process died")
-
-
 def test_a_wave_of_deaths_in_one_batch_sends_one_heal_and_no_worker_hears_of_the_heals_it_withdrew():
     group = FakeWorkerGroup(min_workers=1, max_workers=6)
     group.start_run(*range(6))
     group.die(1)  # alone in its batch: the heal of generation 1 goes out
-    sent = coalesce(group.deliver([_death(2), _death(3), _death(4)]))
+    sent = coalesce(group.deliver([death(2), death(3), death(4)]))
     assert [a.formation.members for a in sent if isinstance(a, Offer)] == [(0, 5)]
     aborts = [a for a in sent if isinstance(a, Abort)]
     assert [a.generation for a in aborts] == [1, 2, 3]
@@ -147,12 +143,12 @@ def test_a_wave_of_deaths_in_one_batch_sends_one_heal_and_no_worker_hears_of_the
 
 def test_a_grow_prepared_in_an_earlier_batch_is_called_off_with_the_members_and_one_withdrawn_unsent_is_not():
     group = _grown_to_prepare(FakeWorkerGroup(min_workers=1, max_workers=3))  # prepare 1 went out
-    [abort] = [a for a in coalesce(group.deliver([_death(0)])) if isinstance(a, Abort)]
+    [abort] = [a for a in coalesce(group.deliver([death(0)])) if isinstance(a, Abort)]
     assert abort.generation == 1 and abort.workers == (1, 2)
 
     group = FakeWorkerGroup(min_workers=1, max_workers=3)
     group.start_run(0, 1)
-    sent = coalesce(group.deliver([WorkerReady(2, node="node-2", pid=1002), _death(0)]))
+    sent = coalesce(group.deliver([WorkerReady(2, node="node-2", pid=1002), death(0)]))
     assert not [a for a in sent if isinstance(a, Prepare)]
     assert [(a.generation, a.workers) for a in sent if isinstance(a, Abort)] == [(1, ())]
     assert [a.formation.members for a in sent if isinstance(a, Offer)] == [(1, 2)]

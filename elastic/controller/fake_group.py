@@ -21,6 +21,11 @@ from elastic.controller.signals import (
 MAX_STEPS = 1000
 
 
+def death(worker_id: int) -> WorkerExited:
+    """What the controller observes when a worker's process dies."""
+    return WorkerExited(worker_id, Exit.DIED, "ActorDiedError: worker process died")
+
+
 class FakeWorkerGroup:
     """The workers' side of the protocol, in memory. Each observation arrives `after_s` (fake
     seconds) after the one before."""
@@ -64,7 +69,7 @@ class FakeWorkerGroup:
         return self.deliver([WorkerReady(w, node=f"node-{w}", pid=1000 + w) for w in worker_ids], after_s)
 
     def die(self, worker_id: int) -> list[Action]:
-        return self.send(WorkerExited(worker_id, Exit.DIED, "ActorDiedError: worker process died"))
+        return self.send(death(worker_id))
 
     def raise_error(self, worker_id: int) -> list[Action]:
         return self.send(WorkerExited(worker_id, Exit.APP_ERROR, "ValueError: bug", traceback="tb"))
