@@ -79,8 +79,8 @@ CELLS = {
     "every-worker": Cell(kill="all", restart=True, victims=3),
 }
 # At slow steps CI runs a death while a newcomer joins (an outside SIGKILL inside a slow step);
-# `-m soak` adds the other four. A slow step's outside SIGKILL of a member is in CI in
-# tests/test_pipeline_runs.py (a replica's worker) and tests/test_partitions.py cuts a node mid-step.
+# `-m soak` adds the other four, and tests/test_pipeline_runs.py's SIGKILLs of a replica's worker
+# inside a slow step. In CI tests/test_partitions.py also cuts a node's link mid-step.
 SLOW_CELLS = ("newcomer-right-after-it-joined",
               *(pytest.param(name, marks=pytest.mark.soak)
                 for name in ("mid-step-sigkill", "heal-formation", "grow-before-newcomer-joined",

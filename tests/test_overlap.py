@@ -167,7 +167,7 @@ def test_an_overlapped_adamw_run_heals_a_death_in_its_all_reduce_and_equals_ddp(
 
 
 # Under `-m soak` (the suite's time on 2 cores): CI heals an overlapped run through the Fault kill
-# above, and slow-step outside SIGKILLs through the chaos matrix and tests/test_pipeline_runs.py.
+# above, and has a slow-step outside SIGKILL through the chaos matrix (a newcomer's, inside a 0.25 s step).
 @pytest.mark.soak
 def test_an_overlapped_run_heals_a_sigkill_from_outside_inside_a_slow_step_and_equals_ddp(local_ray, tmp_path):
     killer = OutsideKiller("mid-step", str(tmp_path), "overlap-sigkill", SimpleNamespace(compute_s=SLOW_STEP_S), seed=5)

@@ -117,8 +117,8 @@ def _assert_whole_model(result, reference):
         assert _max_diff(whole, reference) < 1e-9
 
 
-# CI kills a pipelined stage and a tensor-parallel worker inside their average (the harder
-# moment); the soak also kills each at a step's start, and a 3D replica's worker (below).
+# CI kills a pipelined stage inside its average (the harder moment); the soak also kills it at a
+# step's start, a tensor-parallel worker at both moments, and a 3D replica's worker (below).
 WHERES = [pytest.param("step_start", marks=pytest.mark.soak), "allreduce"]
 
 
@@ -139,7 +139,8 @@ def test_a_stage_workers_death_takes_out_its_replica_the_other_heals_and_a_new_r
 
 # Both moments under `-m soak` (the suite's time on 2 cores): CI has the stage death above and
 # the tensor-parallel rebind in tests/test_tensor_parallel.py.
-@pytest.mark.parametrize("where", [pytest.param(where, marks=pytest.mark.soak) for where in ("step_start", "allreduce")])
+@pytest.mark.parametrize("where", [pytest.param(where, marks=pytest.mark.soak)
+                                   for where in ("step_start", "allreduce")])
 def test_a_tensor_parallel_workers_death_takes_out_its_replica_the_other_heals_and_a_new_replica_joins(
         local_ray, tmp_path, mlp_reference, where):
     rank = 3 if where == "step_start" else 2
@@ -158,7 +159,7 @@ def test_a_tensor_parallel_workers_death_takes_out_its_replica_the_other_heals_a
 
 # (pipeline_stages, tensor_parallel, victim): a pipelined stage, a tensor-parallel rank, a 3D
 # replica's worker. All under -m soak (the suite's time on 2 cores): CI kills a worker from
-# outside inside a slow step in tests/test_chaos_matrix.py, and these replicas' deaths by Fault above.
+# outside inside a slow step in tests/test_chaos_matrix.py, and a pipelined replica's by Fault above.
 SHAPES = [pytest.param(2, 1, 2, marks=pytest.mark.soak), pytest.param(1, 2, 2, marks=pytest.mark.soak),
           pytest.param(2, 2, 5, marks=pytest.mark.soak)]
 
@@ -219,7 +220,7 @@ def test_a_pipelined_checkpoint_is_refused_by_a_run_of_another_number_of_stages_
         written.load_state("stage-2")
 
 
-@pytest.mark.soak  # 8 workers and 4 newcomers on 2 cores; CI kills a stage and a tensor-parallel rank above
+@pytest.mark.soak  # 8 workers and 4 newcomers on 2 cores; CI kills a pipelined stage above
 def test_a_3d_replica_loses_a_worker_leaves_whole_and_a_new_one_joins(local_ray, tmp_path, references):
     # Replica 1's stage 0, tensor-parallel rank 1, dies inside its average.
     result = _fit(tmp_path, "3d", faults=[Fault(kind="kill", rank=5, step=8, where="allreduce")], regrow=True,

@@ -44,7 +44,7 @@ def test_stale_synchrony_rolls_a_death_back_to_its_complete_state_and_replays_ex
 
 
 # Under `-m soak` (the suite's time on 2 cores): CI rolls a stale run back through the Fault kill
-# above, and has slow-step outside SIGKILLs through the chaos matrix and tests/test_pipeline_runs.py.
+# above, and has a slow-step outside SIGKILL through the chaos matrix (a newcomer's, inside a 0.25 s step).
 @pytest.mark.soak
 def test_stale_synchrony_heals_a_sigkill_from_outside_inside_a_slow_step_and_ends_exact(local_ray, tmp_path):
     killer = OutsideKiller("mid-step", str(tmp_path), "stale-sigkill", SimpleNamespace(compute_s=SLOW_STEP_S), seed=3)

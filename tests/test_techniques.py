@@ -346,8 +346,8 @@ SLOW_STEP_S = 0.25  # a sleep inside each step, standing for seconds of compute 
 
 
 # Every case runs under `-m soak` (the suite's time on 2 cores). CI has their heals through Fault
-# kills (the DiLoCo and EASGD rollbacks, the ZeRO-1 buddy and ZeRO-3 equivalences), and slow-step
-# outside SIGKILLs through the chaos matrix and tests/test_pipeline_runs.py.
+# kills (the DiLoCo and EASGD rollbacks, the ZeRO-1 buddy and ZeRO-3 equivalences), and a slow-step
+# outside SIGKILL through the chaos matrix (a newcomer's, inside a 0.25 s step).
 @pytest.mark.parametrize("strategy", [
     pytest.param(Strategy(sync="diloco:every=8"), marks=pytest.mark.soak),
     pytest.param(Strategy(sync="easgd:every=8"), marks=pytest.mark.soak),
