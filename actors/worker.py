@@ -24,7 +24,8 @@ import torch
 from elastic.checkpoint.checkpoint import CheckpointWriter
 from elastic.checkpoint.storage import RunStorage
 from elastic.comm.binding import bind_collectives_to
-from elastic.comm.group import GenerationSpec, is_peer_failure
+from elastic.comm.generation import peer_failed
+from elastic.comm.group import GenerationSpec
 from elastic.config import CheckpointConfig, DataConfig, Strategy
 from elastic.controller.progress import LINK_MIN_BYTES
 from elastic.errors import WorkerEvictedError
@@ -97,7 +98,7 @@ class Worker:
         except WorkerEvictedError as exc:
             return {"outcome": "evicted", "reason": str(exc)}
         except Exception as exc:
-            hint = PEER_FAILURE_OUTSIDE_STEP if is_peer_failure(exc) else ""
+            hint = PEER_FAILURE_OUTSIDE_STEP if peer_failed(exc) else ""
             return {
                 "outcome": "app_error",
                 "rank": self.ctx.rank,
@@ -126,7 +127,11 @@ class Worker:
 
     @ray.method(concurrency_group="control")
     def progress(self) -> dict[str, Any]:
-        return self.ctx.progress()
+        """Where the train thread is, and what the kernel says of its generation's links: the
+        controller polls this while no step commits (a hang, an unreachable or a cut-off member)."""
+        current = self.ctx.links
+        silent = current[1].health().silent if current is not None else {}
+        return {**self.ctx.progress(), "address": self.address, "silent": silent}
 
     @ray.method(concurrency_group="control")
     def info(self) -> dict[str, Any]:

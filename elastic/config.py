@@ -232,6 +232,12 @@ class FailureConfig(_Frozen):
         1.0, gt=0, description="Members are pinged at least this often while no step commits, however long the "
         "steps: it bounds the time to see a node cut off at slow steps (a ping is one call per member)."
     )
+    link_silence_s: float = Field(
+        1.0, gt=0, description="While no step commits and every member answers the controller, a member whose "
+        "connections to some peers carried data that went this long without an acknowledgement (the kernel "
+        "retransmitting it) is cut off from them (a partial partition); the smallest set of members that explains "
+        "every such link is healed around."
+    )
     hang_ceiling_s: float = Field(
         600.0, gt=0, description="The stall deadline is never longer than this (and is this until steps are measured)."
     )

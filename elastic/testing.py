@@ -29,6 +29,8 @@ and only exist inside these namespaces.
 | `heal(i)` | brings it back up |
 | `shape(i, "100mbit")` | a token bucket (`tc tbf`) on both ends, so each direction carries at most that rate; `None` removes it |
 | `flap(i, down_s, up_s, times)` | partitions and heals in a background thread; returns the thread to join |
+| `cut(i, j)` | a partial partition: nodes i and j stop reaching each other (both ways), each still reaches every other node |
+| `mend(i, j)` | undoes `cut(i, j)` |
 
 **The driver runs inside the head's namespace** (`run_driver`, `spawn_driver`), like a Ray Job's
 driver on a head machine. The other way, a veth from the test's own (root) namespace into the
@@ -95,6 +97,8 @@ _NAME_PATTERN = re.compile(rf"^{NAME_PREFIX}-(?P<pid>\d+)-(?P<index>\d+|probe)(?
 ETC_NETNS = Path("/etc/netns")
 BRIDGE = "bridge0"
 NODE_INTERFACE = "eth0"
+# A locally administered unicast address no interface here has: where `cut` sends a node's frames.
+NOWHERE_MAC = "02:00:00:00:00:01"
 
 # Each node has a network of its own, so every node can use Ray's default GCS port.
 GCS_PORT = 6379
@@ -279,6 +283,20 @@ class NetworkCluster:
         retransmit timers that ran while it was down, up to about a second, as on a real link."""
         self._check_node(node)
         _ip("-n", self._bridge_namespace, "link", "set", self._bridge_port(node), "up")
+
+    def cut(self, node_a: int, node_b: int) -> None:
+        """Stop nodes `node_a` and `node_b` reaching each other, both ways, while each still reaches
+        every other node: a partial partition, as a faulty switch port or route makes. Each node's
+        neighbour entry for the other names a hardware address no interface has, so their frames
+        vanish in the bridge (no reset, no error: TCP retransmits into the void)."""
+        for here, there in ((node_a, node_b), (node_b, node_a)):
+            _ip("-n", self.namespace(here), "neigh", "replace", self.node_ip(there), "lladdr", NOWHERE_MAC,
+                "dev", NODE_INTERFACE, "nud", "permanent")
+
+    def mend(self, node_a: int, node_b: int) -> None:
+        """Undo `cut(node_a, node_b)`: each node learns the other's hardware address again by ARP."""
+        for here, there in ((node_a, node_b), (node_b, node_a)):
+            _ip("-n", self.namespace(here), "neigh", "del", self.node_ip(there), "dev", NODE_INTERFACE)
 
     def restart(self, node: int) -> None:
         """Start worker node `node`'s Ray again, as an operator brings a machine back: after Ray

@@ -50,6 +50,7 @@ SLOW = Pace(compute_s=1.0, max_steps=3 * workloads.STEPS_PER_EPOCH, cut_after_s=
 SLOWEST = Pace(compute_s=3.0, max_steps=2 * workloads.STEPS_PER_EPOCH, cut_after_s=7.5)  # the issue's 3 s steps
 WIDE = Pace(compute_s=0.05, max_steps=10 * workloads.STEPS_PER_EPOCH, cut_after_s=0.4, hidden=512)
 GROWING = Pace(compute_s=1.0, max_steps=6 * workloads.STEPS_PER_EPOCH, cut_after_s=2.5)  # room for a death and a grow
+MEASURED = Pace(compute_s=0.3, max_steps=5 * workloads.STEPS_PER_EPOCH, cut_after_s=1.0)  # the failures issue's 0.3 s steps
 # A step's all-reduce sends each rank's ring neighbour 786 KB: 63 ms at 100 Mbit/s, under 1 ms unshaped.
 HEAVY = Pace(compute_s=0.05, max_steps=12 * workloads.STEPS_PER_EPOCH, cut_after_s=0.4, hidden=4096, lr=0.002)
 
@@ -147,6 +148,24 @@ def cut_mid_step(cluster, folder: Path, pace: Pace, step_log: Path | None = None
     cluster.heal(node)  # the link comes back: the old worker must not come back with it
     outcome = result(driver, folder, name)
     return Cut(outcome, events(folder, name), first, first["members"][-1], cut_at)
+
+
+def cut_partially(cluster, folder: Path, pace: Pace, step_log: Path | None = None, name: str = "partial") -> Cut:
+    """A run of 3 workers whose rank 1's node stops reaching the nodes of ranks 0 and 2 inside a
+    step, while every node still reaches the head (`NetworkCluster.cut`); mended once the
+    survivors healed."""
+    driver, first, _ = start_full(cluster, folder, name, pace, step_log)
+    started = {e["worker_id"]: e for e in events(folder, name) if e["type"] == "worker_started"}
+    nodes = [node_of(started[member["worker_id"]], cluster) for member in first["members"]]
+    time.sleep(pace.cut_after_s)
+    cut_at = time.time()
+    for other in (nodes[0], nodes[2]):
+        cluster.cut(nodes[1], other)
+    wait_for(folder, name, lambda found: [e for e in found if e["type"] == "recovery"], driver)
+    for other in (nodes[0], nodes[2]):
+        cluster.mend(nodes[1], other)  # the links come back: the old worker must not come back with them
+    outcome = result(driver, folder, name)
+    return Cut(outcome, events(folder, name), first, first["members"][1], cut_at)
 
 
 def main(path: str) -> None:

@@ -3,12 +3,13 @@
 
 import pytest
 import ray
+import torch
 
 from elastic import CapacityTimeoutError, DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
 from elastic.checkpoint.storage import RunStorage
 from elastic.errors import ElasticError, TrainingFailedError
 from elastic.journal.events import read_events
-from workloads import GLOBAL_BATCH, fit_held, regression_loop, workers_started
+from workloads import GLOBAL_BATCH, fit_held, regression_loop, regression_reference, workers_started
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,6 +48,49 @@ def test_a_user_exception_is_retried_no_more_than_max_failures(local_ray, tmp_pa
     decisions = [e["action"] for e in events if e["type"] == "decision"]
     assert len(app_errors) == 2
     assert decisions == ["HEAL", "RAISE"]
+
+
+# A data or logging client's own errors, worded as a network failure would be.
+USER_ERRORS = [("S3 read timed out while fetching shard 17", "once"),
+               ("metrics push failed: connection reset by peer", "every time"),
+               ("cannot write the log: broken pipe", "once")]
+
+
+@pytest.mark.parametrize(("message", "when"), USER_ERRORS, ids=["timed-out-once", "reset-every-time", "broken-pipe-once"])
+def test_a_user_error_worded_like_a_network_failure_is_the_users_and_fails_the_run(local_ray, tmp_path, message, when):
+    marker = str(tmp_path / "raised") if when == "once" else ""
+    trainer = _trainer(tmp_path, "worded", ScalingConfig(num_workers=2), raise_inside=(0, 5, message, marker))
+    with pytest.raises(TrainingFailedError) as caught:
+        trainer.fit()
+    assert caught.value.rank == 0 and message in str(caught.value)
+    assert "raise_inside" in caught.value.traceback, "the user's traceback is not the one raised"
+    events = read_events(RunStorage(str(tmp_path), "worded"))
+    [failed] = [e for e in events if e["type"] == "worker_failed"]
+    assert (failed["kind"], failed["rank"]) == ("app_error", 0) and message in failed["traceback"]
+    healed = [e for e in events if e["type"] == "recovery" or (e["type"] == "generation_formed" and e["kind"] != "start")]
+    assert healed == [], "the user's error was healed around"
+
+
+def test_a_user_error_within_max_failures_is_retried_and_the_run_ends_as_a_fault_free_one(local_ray, tmp_path):
+    seed, steps = 3, 24
+    trainer = ElasticTrainer(
+        regression_loop,
+        train_loop_config={"max_steps": steps, "raise_inside": (0, 5, "S3 read timed out", str(tmp_path / "raised"))},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="retried-inside", storage_path=str(tmp_path),
+                             failure_config=FailureConfig(max_failures=1)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=steps, seed=seed),
+        show_progress=False,
+    )
+    result = trainer.fit()
+    assert result.step == steps
+    ledger = result.value["ledger"]
+    assert torch.equal(ledger, torch.ones_like(ledger)), "a sample was lost or seen twice"
+    reference = regression_reference(steps, seed=seed)
+    for name, value in reference["params"].items():
+        assert (result.value["params"][name] - value).abs().max().item() < 1e-9, name
+    [failed] = [e for e in result.events if e["type"] == "worker_failed"]
+    assert (failed["kind"], failed["rank"]) == ("app_error", 0) and "S3 read timed out" in failed["traceback"]
 
 
 def test_waiting_below_min_workers_times_out_with_a_clear_message(local_ray, tmp_path):

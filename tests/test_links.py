@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.comm.group import is_peer_failure
 from elastic.comm.links import GroupLinks
 from gloo_processes import client, join, spawn
 
@@ -42,12 +41,13 @@ def _member(rank, port, results):
         raised = None
     except RuntimeError as exc:
         raised = exc
+    health = links.health()  # read before the group is left: the kernel's word on its connections
     store.set(f"after-sever/{rank}", "the store connection predates the group: left alone")
     join(store, 1, rank, WORLD_SIZE - 1)
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)
     store.set(f"reformed/{rank}", "1")
-    results[rank] = {"peer_failure": raised is not None and is_peer_failure(raised), "severed": severed[0],
+    results[rank] = {"peer_failure": raised is not None and health.broken, "severed": severed[0],
                      "store_ok": store.get(f"after-sever/{rank}").decode().startswith("the store"),
                      "next_sum": total.item()}
 
@@ -57,7 +57,7 @@ def test_severing_a_generation_frees_a_blocking_all_reduce_waiting_on_a_silent_p
     assert results[CUT_OFF_RANK] == "cut off"
     for rank in (0, 1):
         outcome = results[rank]
-        assert outcome["peer_failure"], f"rank {rank}: the all-reduce did not fail as a peer failure"
+        assert outcome["peer_failure"], f"rank {rank}: the all-reduce failed, but its links read sound"
         # At least its link to the cut-off rank; the other may already be closed by the peer's sever.
         assert outcome["severed"] >= 1, f"rank {rank}: severed nothing"
         assert outcome["store_ok"] and outcome["next_sum"] == 3.0

@@ -12,10 +12,11 @@ import sys
 
 import pytest
 
-from elastic.comm.group import NCCL_ERROR_HANDLING, NCCL_SURVIVOR_MODE
+from elastic.comm import generation as generation_module
+from elastic.comm.generation import GenerationGroup
+from elastic.comm.group import NCCL_ERROR_HANDLING, NCCL_SURVIVOR_MODE, GradientAllReduce
 from elastic.comm.links import GroupLinks
 from elastic.config import DataConfig
-from elastic.worker import membership as membership_module
 from elastic.worker.context import TrainContext
 from elastic.worker.mailbox import GenerationMailbox
 
@@ -32,15 +33,19 @@ def test_the_nccl_watchdog_never_tears_a_survivor_down(inherited):
 
 def test_a_stale_abort_hits_the_captured_group_and_never_the_one_that_replaced_it(monkeypatch):
     aborted = []
-    monkeypatch.setattr(membership_module, "abort_communicator", aborted.append)
+    monkeypatch.setattr(generation_module, "abort_communicator", aborted.append)
     ctx = TrainContext(DataConfig(global_batch_size=4, micro_batch_size=2, max_steps=1), GenerationMailbox(), [],
                        lambda report: None, use_gpu=False)
     old, new = object(), object()
-    ctx.membership._group = (3, old, GroupLinks(frozenset()))
+    ctx.membership._group = _generation(3, old)
     ctx.abort_stale_group(3)
     assert aborted == [], "the current generation was aborted by an offer of itself"
     ctx.abort_stale_group(4)
     assert aborted == [old]
-    ctx.membership._group = (4, new, GroupLinks(frozenset()))  # the train thread formed generation 4 meanwhile
+    ctx.membership._group = _generation(4, new)  # the train thread formed generation 4 meanwhile
     ctx.abort_stale_group(4)
     assert aborted == [old], "the replacement group was aborted"
+
+
+def _generation(number, world):
+    return GenerationGroup(number, "nccl", world, GroupLinks(frozenset()), GradientAllReduce(number, abortable=False))

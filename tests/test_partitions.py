@@ -34,8 +34,8 @@ import torch
 from elastic.checkpoint.checkpoint import Checkpoint, checkpoint_steps, checkpoint_storage, step_dir, verify
 from elastic.checkpoint.storage import RunStorage
 from elastic.testing import NetworkCluster
-from network_driver import (DATA_SEED, FAST, GROWING, HEAVY, SLOW, WIDE, cut_mid_step, events, node_of, result, start_full,
-                            wait_for)
+from network_driver import (DATA_SEED, FAST, GROWING, HEAVY, MEASURED, SLOW, WIDE, cut_mid_step, cut_partially, events,
+                            node_of, result, start_full, wait_for)
 from workloads import regression_reference
 
 UNAVAILABLE = NetworkCluster.unavailable()
@@ -91,6 +91,22 @@ def test_a_worker_node_cut_off_mid_step_is_healed_around_and_no_survivor_is_blam
     assert {m["worker_id"]: m["pid"] for m in healed["members"]} == survivors, "a survivor changed or left"
     [recovery] = [e for e in cut.events if e["type"] == "recovery"]
     assert not recovery["from_checkpoint"]
+    assert recovery["detect_s"] > 0 and recovery["seconds"] >= recovery["detect_s"], "the recovery hides the standstill"
+
+
+def test_a_worker_cut_off_from_its_peers_but_not_the_controller_is_healed_around_and_the_waiters_are_not_blamed(
+        cluster, tmp_path):
+    # Every rank answers the controller and waits in the all-reduce: nothing is dead or behind. The
+    # kernel's word on the links (data sent to rank 1, and by it, unacknowledged) names the cut.
+    cut = cut_partially(cluster, tmp_path, MEASURED)
+    _assert_same_training(cut.outcome, MEASURED)
+    failed = [e for e in cut.events if e["type"] == "worker_failed"]
+    assert [(e["worker_id"], e["kind"]) for e in failed] == [(cut.victim["worker_id"], "cut_off")], failed
+    healed = next(e for e in cut.events if e["type"] == "generation_formed" and e["time"] >= failed[0]["time"])
+    assert healed["kind"] == "heal", "a heal in place, not a restart"
+    survivors = {m["worker_id"]: m["pid"] for m in cut.first["members"] if m["worker_id"] != cut.victim["worker_id"]}
+    assert {m["worker_id"]: m["pid"] for m in healed["members"]} == survivors, "a survivor changed or left"
+    [recovery] = [e for e in cut.events if e["type"] == "recovery"]
     assert recovery["detect_s"] > 0 and recovery["seconds"] >= recovery["detect_s"], "the recovery hides the standstill"
 
 

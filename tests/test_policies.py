@@ -3,7 +3,8 @@
 import pytest
 
 from elastic.controller.policies import (
-    NoopDecision, ResizeDecision, WaitDecision, decide_failure, decide_membership, reach_deadline, workers_to_start,
+    NoopDecision, ResizeDecision, WaitDecision, decide_failure, decide_membership, find_cut_off, reach_deadline,
+    workers_to_start,
 )
 
 
@@ -124,3 +125,32 @@ def test_members_are_pinged_after_1_2_median_steps_within_the_floor_and_the_ceil
     # about ceiling + ping timeout, not 1.2 steps after the last commit.
     assert reach_deadline([3.0] * 10, floor_s=0.5, ceiling_s=1.0) == 1.0
     assert reach_deadline([3.0], floor_s=0.5, ceiling_s=1.0) == 0.5  # not measured yet
+
+
+# --- a partial partition: the smallest set of members that explains every cut link ----------------
+THREE = {10: "10.0.0.1", 11: "10.0.0.2", 12: "10.0.0.3"}
+
+
+def test_a_member_cut_from_both_others_is_the_whole_cover_whichever_links_saw_it():
+    assert find_cut_off(THREE, {10: {"10.0.0.2": 2.0}, 11: {"10.0.0.3": 2.0}}, silence_s=1.0) == [11]
+    assert find_cut_off(THREE, {12: {"10.0.0.2": 2.0}, 10: {"10.0.0.2": 2.0}}, silence_s=1.0) == [11]
+
+
+def test_one_cut_link_loses_the_higher_rank_and_a_short_silence_nobody():
+    assert find_cut_off(THREE, {10: {"10.0.0.2": 2.0}}, silence_s=1.0) == [11]
+    assert find_cut_off(THREE, {10: {"10.0.0.2": 0.9}}, silence_s=1.0) == []
+    assert find_cut_off(THREE, {10: {"10.0.0.9": 5.0}}, silence_s=1.0) == [], "an address of no member is no member's cut"
+
+
+def test_a_cut_takes_every_member_behind_an_address_and_prefers_the_address_with_fewer():
+    # Two members on 10.0.0.1, one on 10.0.0.2, cut from each other: losing one member beats losing two.
+    members = {1: "10.0.0.1", 2: "10.0.0.1", 3: "10.0.0.2", 4: "10.0.0.3"}
+    assert find_cut_off(members, {1: {"10.0.0.2": 3.0}, 3: {"10.0.0.1": 3.0}}, silence_s=1.0) == [3]
+    # Cut from both other addresses, the two members on 10.0.0.1 go together.
+    assert find_cut_off(members, {1: {"10.0.0.2": 3.0}, 2: {"10.0.0.3": 3.0}}, silence_s=1.0) == [1, 2]
+
+
+def test_the_greedy_cover_of_many_addresses_still_finds_the_hub():
+    members = {w: f"10.0.1.{w}" for w in range(20)}
+    silent = {w: {"10.0.1.7": 4.0} for w in range(20) if w != 7}
+    assert find_cut_off(members, silent, silence_s=1.0) == [7]

@@ -1,7 +1,9 @@
-"""The controller's tally (`ProgressTracker`): link rates over the last steps, from the workers'
-cumulative link samples (`elastic.comm.links.GroupLinks.traffic`)."""
+"""The controller's tally (`ProgressTracker`): productive time for goodput, and link rates over
+the last steps, from the workers' cumulative link samples (`elastic.comm.links.GroupLinks.traffic`)."""
 
-from elastic.controller.progress import LINK_MIN_BYTES, ProgressTracker
+import pytest
+
+from elastic.controller.progress import LINK_MIN_BYTES, STALL_FACTOR, ProgressTracker
 
 MB = 1 << 20
 
@@ -35,3 +37,18 @@ def test_a_new_generation_and_control_chatter_are_not_judged_and_a_verdict_forge
     assert tally.link_rates([0], steps=10)[0][1] == {"198.18.0.3": float("inf")}, "an untimed burst is fast"
     tally.forget_stragglers()
     assert tally.link_rates([0], steps=10) == {}
+
+
+def _step(step, step_s):
+    return {"kind": "step", "step": step, "rank": 0, "world_size": 2, "generation": 0, "step_s": step_s,
+            "compute_s": None, "samples": 64, "time": 1000.0 + step}
+
+
+def test_a_step_that_stood_still_counts_one_median_step_as_productive_whatever_ended_the_stall():
+    tally = ProgressTracker(global_batch_size=64, max_steps=100)
+    tally.ingest(0, [_step(step, 0.3) for step in range(10)])
+    assert tally.productive_s == pytest.approx(3.0)
+    tally.ingest(0, [_step(10, 107.0)])  # a collective that waited on a cut link until the link came back
+    assert tally.productive_s == pytest.approx(3.3)
+    tally.ingest(0, [_step(11, 0.3 * STALL_FACTOR * 0.99)])  # a slow step, short of a stall, counts whole
+    assert tally.productive_s == pytest.approx(3.3 + 0.3 * STALL_FACTOR * 0.99)

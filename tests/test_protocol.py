@@ -6,6 +6,8 @@ memory and feeds back what real workers would report, through hooks such as `die
 checks.
 """
 
+import dataclasses
+
 import pytest
 
 from elastic.config import FailureConfig, ScalingConfig
@@ -468,6 +470,47 @@ def test_the_recovery_from_an_unreachable_member_counts_from_the_last_committed_
     [recovery] = group.events("recovery")
     assert recovery["detect_s"] == pytest.approx(0.75 + 1.0), "the stall until the ping, and the ping"
     assert recovery["seconds"] > recovery["detect_s"], "the survivors stood still from the last commit on"
+
+
+# --- the network: a partial partition ------------------------------------------------------------
+def _at(address, silent=None):
+    """A member's answer from `address`: waiting in the all-reduce, its links to the peers in `silent`
+    unacknowledged for so many seconds."""
+    return dataclasses.replace(progress(10, entered_sync=10), address=address, silent=silent or {})
+
+
+def test_a_member_cut_off_from_its_peers_while_all_answer_is_healed_around_and_the_waiters_are_not_blamed():
+    # Rank 1's node and the other two stopped reaching each other; every node still reaches the
+    # controller. Ranks 0 and 1 each see their sends to the next rank of the ring go unacknowledged.
+    group = FakeWorkerGroup()
+    group.start_run(0, 1, 2)
+    group.send(Tick(last_step_at=group.now, deadline_s=10.0, reach_deadline_s=0.5), after_s=1.5)
+    group.send(ProgressPolled({0: _at("10.0.0.1", {"10.0.0.2": 1.4}), 1: _at("10.0.0.2", {"10.0.0.3": 1.2}),
+                               2: _at("10.0.0.3")}))
+    assert group.killed == [1]
+    [failed] = group.events("worker_failed")
+    assert failed["kind"] == "cut_off" and "10.0.0.2" in failed["cause"]
+    assert group.latest_offer.formation.reason == Reason.HEAL and group.latest_offer.formation.members == (0, 2)
+    assert group.protocol.fenced(1)
+    group.form(step=10)
+    [recovery] = group.events("recovery")
+    assert recovery["detect_s"] >= 1.5, "the survivors stood still from the last commit on"
+
+
+def test_links_silent_for_less_than_link_silence_s_blame_nobody_yet():
+    group = FakeWorkerGroup()
+    group.start_run(0, 1, 2)
+    group.send(Tick(last_step_at=group.now, deadline_s=10.0, reach_deadline_s=0.5), after_s=0.6)
+    group.send(ProgressPolled({0: _at("10.0.0.1", {"10.0.0.2": 0.5}), 1: _at("10.0.0.2"), 2: _at("10.0.0.3")}))
+    assert group.killed == [] and not group.events("worker_failed")
+
+
+def test_two_members_cut_from_each_other_lose_the_higher_rank_only():
+    group = FakeWorkerGroup(min_workers=1)
+    group.start_run(0, 1)
+    group.send(Tick(last_step_at=group.now, deadline_s=10.0, reach_deadline_s=0.5), after_s=1.5)
+    group.send(ProgressPolled({0: _at("10.0.0.1", {"10.0.0.2": 1.4}), 1: _at("10.0.0.2", {"10.0.0.1": 1.4})}))
+    assert group.killed == [1] and group.latest_offer.formation.members == (0,)
 
 
 def test_members_that_all_answer_and_are_alike_are_not_killed_before_the_ceiling():

@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic.comm.group import GradientAllReduce, _agreement_keys, is_peer_failure
+from elastic.comm.group import PEER_ABORT_MARKER, GradientAllReduce, _agreement_keys
 
 pytestmark = pytest.mark.timeout(60)
 GENERATION = 3
@@ -40,7 +40,7 @@ def _agree_in_thread(client, collectives, step, world_size, outcomes, rank, dela
             collectives.agree(client, step, world_size)
             outcomes[rank] = "stepped"
         except RuntimeError as exc:
-            outcomes[rank] = "peer failure" if is_peer_failure(exc) else repr(exc)
+            outcomes[rank] = "peer failure" if str(exc).startswith(PEER_ABORT_MARKER) else repr(exc)
 
     thread = threading.Thread(target=run)
     thread.start()

@@ -109,6 +109,7 @@ def regression_loop(config: dict) -> dict:
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 mb.backward(loss * float("inf") if overflow else loss)
             dist.all_reduce(counts)
+            raise_inside(config, ctx.rank, step.index)
             optimizer.step()
             optimizer.zero_grad()
             unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
@@ -369,6 +370,7 @@ def streaming_loop(config: dict) -> dict:
                 loss = torch.nn.functional.mse_loss(model(mb.data["x"]).squeeze(1), mb.data["y"])
                 mb.backward(loss * scale)
             dist.all_reduce(counts)
+            raise_inside(config, ctx.rank, step.index)
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
@@ -382,6 +384,20 @@ def streaming_loop(config: dict) -> dict:
         "scheduler_steps": scheduler.last_epoch,
         "lr": optimizer.param_groups[0]["lr"],
     }
+
+
+def raise_inside(config: dict, rank: int, step_index: int) -> None:
+    """The user's own error inside `with step`, after the backward: `raise_inside` is (rank, step,
+    message, marker), raised at every attempt of that step, or only at the first where `marker`
+    names a file (made when it is raised)."""
+    if "raise_inside" not in config:
+        return
+    bad_rank, bad_step, message, marker = config["raise_inside"]
+    if (rank, step_index) != (bad_rank, bad_step) or (marker and os.path.exists(marker)):
+        return
+    if marker:
+        open(marker, "w").close()
+    raise RuntimeError(message)
 
 
 def hold_at_gate(config: dict, step_index: int) -> None:

@@ -190,6 +190,52 @@ def find_slow_link(
     return None
 
 
+# Past this many addresses on the cut links, the cover is found greedily instead of exactly.
+EXACT_COVER_ADDRESSES = 12
+
+
+def find_cut_off(addresses: dict[int, str], silent: dict[int, dict[str, float]], silence_s: float) -> list[int]:
+    """The members to heal around in a partial partition: the smallest set that explains every
+    cut link, never a member merely waiting on one.
+
+    `addresses` is each member's address (as its peers' connections see it, by worker id, in
+    rank order); `silent` what each member's connections say: per peer address, how long data
+    sent there has gone unacknowledged while the kernel retransmits it. A link silent for
+    `silence_s` or longer is cut. A cut cuts addresses, not processes, so the cover is a set of
+    addresses, each weighing its members; among covers of the same weight, the one of fewer
+    addresses (one faulty node explains more simply than two), then the one that keeps the lowest
+    ranks. Rank 1 cut from ranks 0 and 2 is covered by rank 1 alone; two ranks cut from each other
+    by the higher one.
+    """
+    rank_of = {worker: rank for rank, worker in enumerate(addresses)}
+    members_at: dict[str, list[int]] = {}
+    for worker, address in addresses.items():
+        members_at.setdefault(address, []).append(worker)
+    edges = {frozenset((addresses[worker], peer))
+             for worker, peers in silent.items() if worker in addresses
+             for peer, seconds in peers.items()
+             if seconds >= silence_s and peer in members_at and peer != addresses[worker]}
+    if not edges:
+        return []
+    involved = sorted({address for edge in edges for address in edge})
+
+    def cost(cover: tuple[str, ...]) -> tuple[int, int, list[int]]:
+        ranks = sorted((rank_of[w] for a in cover for w in members_at[a]), reverse=True)
+        return sum(len(members_at[a]) for a in cover), len(cover), [-r for r in ranks]
+
+    if len(involved) <= EXACT_COVER_ADDRESSES:
+        covers = (tuple(a for i, a in enumerate(involved) if mask >> i & 1) for mask in range(1, 1 << len(involved)))
+        best = min((c for c in covers if all(edge & set(c) for edge in edges)), key=cost)
+    else:
+        best, left = (), set(edges)
+        while left:
+            address = max(involved, key=lambda a: (sum(a in e for e in left), -len(members_at[a]),
+                                                   max(rank_of[w] for w in members_at[a])))
+            best += (address,)
+            left = {edge for edge in left if address not in edge}
+    return sorted((w for a in best for w in members_at[a]), key=rank_of.__getitem__)
+
+
 def _rate(bytes_per_s: float) -> str:
     return "a burst too short to time" if bytes_per_s == float("inf") else f"{bytes_per_s * 8 / 1e6:.0f} Mbit/s"
 

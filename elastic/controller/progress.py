@@ -12,10 +12,15 @@ check it keeps each worker's own compute per step and what its connections sent 
 from __future__ import annotations
 
 import collections
+import statistics
 import time
 from typing import Any
 
 THROUGHPUT_WINDOW_S = 5.0
+# Goodput's productive time: a step that took longer than this many median steps stood still
+# (judged once this many steps were measured), and counts as one median step.
+STALL_FACTOR = 3.0
+STALL_SAMPLES = 5
 METRICS_EVENT_INTERVAL_S = 2.0
 COMPUTE_HISTORY = 200
 # A connection that sent less than this in the judged steps carried control messages, not a
@@ -44,6 +49,15 @@ class ProgressTracker:
         self.links: dict[int, collections.deque] = {}
         self._last_sample = 0.0
 
+    def _productive(self, step_s: float) -> float:
+        """What of a committed step's time was training: all of it, up to STALL_FACTOR median steps.
+        A step that stood still longer (a collective waiting on a cut link until a heal or the
+        link's return ended it) counts one median step; the rest of its time is lost."""
+        if len(self.step_times) < STALL_SAMPLES:
+            return step_s
+        median = statistics.median(self.step_times)
+        return step_s if step_s <= STALL_FACTOR * median else median
+
     def ingest(self, worker_id: int, items: list[dict[str, Any]]) -> None:
         for item in items:
             if item["kind"] == "step":
@@ -59,7 +73,7 @@ class ProgressTracker:
                 # count each once, from the first report.
                 if item["step"] + 1 > self.step:
                     self.step = item["step"] + 1
-                    self.productive_s += item["step_s"]
+                    self.productive_s += self._productive(item["step_s"])
                     self.step_times.append(item["step_s"])
                     self._recent.append((item["time"], item["samples"], item["world_size"]))
             elif item["kind"] == "links":

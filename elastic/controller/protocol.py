@@ -166,7 +166,7 @@ class Protocol:
         actions: list[Action] = []
         if obs.exit == Exit.APP_ERROR:
             self.failures += 1
-            actions.append(self._worker_failed(obs.worker_id, "app_error", obs.cause))
+            actions.append(self._worker_failed(obs.worker_id, "app_error", obs.cause, traceback=obs.traceback))
             decision = policies.decide_failure("app_error", self.failures, self.failure.max_failures)
             actions.append(self._decision(decision.action, decision.reason))
             if decision.action == "RAISE" or isinstance(self.state, Finishing):
@@ -295,7 +295,7 @@ class Protocol:
 
     def _on_polled(self, obs: ProgressPolled, now: float) -> list[Action]:
         self.polling = False
-        actions = self._lose_unreachable(obs, now)
+        actions = self._lose_unreachable(obs, now) or self._lose_cut_off(obs, now)
         if not self.judging_hang or isinstance(self.state, TERMINAL):
             return actions
         self.progress_at = now
@@ -349,6 +349,37 @@ class Protocol:
             self.detect_s = max(self.detect_s, now - self.stalled_since)
             why = f"answered no ping within FailureConfig(ping_timeout_s={self.failure.ping_timeout_s})"
             actions += self._give_up(worker_id, "unreachable", why, now, detect_s=now - self.stalled_since)
+        return actions
+
+    def _lose_cut_off(self, obs: ProgressPolled, now: float) -> list[Action]:
+        """Members that answer the controller but whose peers' links are cut (a partial partition):
+        every rank waits in a collective, nobody is dead or behind, so nothing else decides. The
+        kernel's word on each rank's connections (`WorkerProgress.silent`) names the cut links, and
+        the smallest set of members that explains them (`policies.find_cut_off`) is lost now, like
+        an unreachable member; the members merely waiting on them are never blamed."""
+        state = self.state
+        if isinstance(state, TERMINAL) or any(answer is None for answer in obs.answers.values()):
+            return []
+        order = state.formation.members if isinstance(state, Forming) else self.members
+        answered = [w for w in order if w in obs.answers]
+        addresses = {w: obs.answers[w].address for w in answered}
+        silent = {w: obs.answers[w].silent for w in answered}
+        cut = policies.find_cut_off(addresses, silent, self.failure.link_silence_s)
+        if not cut or len(cut) == len(answered):
+            return []
+        self.failure_at = min(self.failure_at or now, self.stalled_since)
+        self.detect_s = max(self.detect_s, now - self.stalled_since)
+        cut_addresses = {addresses[w] for w in cut}
+        links = sorted({(addresses[w], peer) for w in answered for peer, seconds in silent[w].items()
+                        if seconds >= self.failure.link_silence_s
+                        and (addresses[w] in cut_addresses) != (peer in cut_addresses)})
+        shown = ", ".join(f"{source} -> {peer}" for source, peer in links)
+        actions = [self._decision("EVICT", f"workers {cut} are cut off from their peers ({shown}) while every member "
+                                  "answers the controller: a partial partition, healed around them")]
+        for worker_id in cut:
+            why = (f"its links to its peers carried no acknowledgement for FailureConfig(link_silence_s="
+                   f"{self.failure.link_silence_s}) or longer ({shown}): cut off by the network")
+            actions += self._give_up(worker_id, "cut_off", why, now, detect_s=now - self.stalled_since)
         return actions
 
     def fenced(self, worker_id: int) -> bool:
@@ -610,7 +641,7 @@ class Protocol:
     def _decision(self, action: str, reason: str) -> Emit:
         return Emit("decision", {"action": action, "reason": reason, "failures": self.failures})
 
-    def _worker_failed(self, worker_id: int, kind: str, cause: str, **fields: float) -> Emit:
+    def _worker_failed(self, worker_id: int, kind: str, cause: str, **fields: float | str) -> Emit:
         record = self.workers[worker_id]
         rank = self._rank(worker_id)
         return Emit("worker_failed", {"worker_id": worker_id, "rank": rank, "node": record.node, "pid": record.pid,

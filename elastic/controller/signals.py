@@ -106,6 +106,10 @@ class WorkerProgress:
     checkpointing: bool  # waiting for its checkpoint upload
     blocked_in: str = ""  # the torch.distributed call its train thread waits in, if any
     connected: int = -1  # the newest generation whose groups it connected
+    address: str = ""  # its node's address, as its peers' connections see it
+    # Per peer address: how long data its connections sent there has gone unacknowledged while the
+    # kernel retransmits it (`elastic.comm.links.LinkHealth.silent`)
+    silent: dict[str, float] = field(default_factory=dict)
 
     @property
     def connecting(self) -> bool:

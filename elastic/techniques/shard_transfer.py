@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.comm.group import is_peer_failure
+from elastic.comm.generation import peer_failed
 from elastic.errors import ElasticError
 from elastic.techniques.shard_plan import Layout, Transfer, buddies_of
 
@@ -87,7 +87,7 @@ def refreshed(placement: Placement, own: Holding, buddies: dict[int, Holding], r
     try:
         refresh_buddies(placement, own, buddies, replicas, group)
     except Exception as exc:
-        if not is_peer_failure(exc):
+        if not peer_failed(exc):
             raise
         return False
     return True

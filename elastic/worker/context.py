@@ -31,7 +31,8 @@ import torch
 
 from elastic.checkpoint.checkpoint import Checkpoint, CheckpointWriter
 from elastic.comm.collectives import Collectives
-from elastic.comm.group import GenerationSpec, is_peer_failure
+from elastic.comm.generation import peer_failed
+from elastic.comm.group import GenerationSpec
 from elastic.comm.links import GroupLinks
 from elastic.comm.state_sync import state_of
 from elastic.config import CheckpointConfig, DataConfig, Strategy
@@ -312,7 +313,7 @@ class TrainContext(ReplicaCoordinates):
         try:
             whole = self.model_state_dict()
         except Exception as exc:
-            if not is_peer_failure(exc):
+            if not peer_failed(exc):
                 raise
             return  # a peer died at the very end: the Result says there is no whole model, and why
         if self.rank == 0:
@@ -324,7 +325,7 @@ class TrainContext(ReplicaCoordinates):
         try:
             collective()
         except Exception as exc:
-            if not is_peer_failure(exc):
+            if not peer_failed(exc):
                 raise
             self._join(reason="heal")
             return False

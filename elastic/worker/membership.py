@@ -4,16 +4,16 @@
 (through the `GenerationMailbox`): it waits at the generation's barrier, connects its groups (the
 prepared model's too), restores the latest checkpoint where a restart asks for it, syncs the
 run's state from the member that holds the newest, and binds the prepared model to the new
-groups. `abort_stale_group` runs on the control thread: it frees a train thread blocked in an
-older generation's collectives. The gradient averages of the generation (DDP's comm hook, and
-the replicas' own `average` and `agree`) are the membership's, because they must abort with it;
-so are the subgroups of DDP's all-reduce where it sums within each node first
-(`elastic.comm.hierarchical`), formed and let go of with the world group.
+groups. What a generation connected is one `GenerationGroup` (`elastic.comm.generation`):
+`abort_stale_group` runs on the control thread and aborts it, which frees a train thread
+blocked in its collectives. The gradient averages of the generation (DDP's comm hook, and the
+replicas' own `average` and `agree`) go through it, because they must abort with it; so do the
+subgroups of DDP's all-reduce where it sums within each node first (`elastic.comm.hierarchical`),
+formed and let go of with the world group.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,12 +29,12 @@ from elastic.comm.group import (
     GenerationSpec,
     GradientAllReduce,
     StoreClient,
-    abort_communicator,
     form_group,
-    is_peer_failure,
     leave_group,
     rendezvous,
 )
+from elastic.comm import generation as generations
+from elastic.comm.generation import GenerationGroup, peer_failed
 from elastic.comm.hierarchical import HierarchicalAllReduce, fits
 from elastic.comm.links import GroupLinks
 from elastic.comm.state_sync import SyncResult, load_into, sync_state
@@ -90,12 +90,7 @@ class Membership:
         self._model = model
         self.spec: GenerationSpec | None = None
         self._store = StoreClient()
-        # The current generation's number, default group and connections (to sever, `abort_stale_group`).
-        self._group: tuple[int, dist.ProcessGroup, GroupLinks] | None = None
-        self._group_lock = threading.Lock()
-        self._gradient_all_reduce: GradientAllReduce | None = None  # the current group's, abortable
-        # The current generation's sum within its nodes first, where its placement fits (None: flat).
-        self._hierarchy: HierarchicalAllReduce | None = None
+        self._group: GenerationGroup | None = None  # what the current generation connected
         self._hierarchical_calls = 0  # all-reduces the hierarchies of the generations left summed
         self._data_group: dist.ProcessGroup | None = None  # the replicas' group of this rank's place; None: the world
         self._last_sync: SyncResult | None = None
@@ -126,17 +121,13 @@ class Membership:
     @property
     def links(self) -> tuple[int, GroupLinks] | None:
         group = self._group
-        return (group[0], group[2]) if group is not None else None
+        return (group.generation, group.links) if group is not None else None
 
     @property
     def hierarchical_all_reduces(self) -> int:
         """The all-reduces of the run so far that summed within the nodes first."""
-        return self._hierarchical_calls + (self._hierarchy.calls if self._hierarchy is not None else 0)
-
-    @property
-    def aborted(self) -> bool:
-        """The current generation's gradient all-reduces were aborted (a peer is gone)."""
-        return self._gradient_all_reduce is not None and self._gradient_all_reduce.aborted is not None
+        group = self._group
+        return self._hierarchical_calls + (group.hierarchy.calls if group is not None and group.hierarchy else 0)
 
     def store(self) -> dist.TCPStore:
         return self._store.get(self.spec.store_host, self.spec.store_port)
@@ -144,8 +135,9 @@ class Membership:
     def join(self, reason: str, lost: int = 0) -> None:
         """Leave the current generation and join the newest one the controller offers.
 
-        A generation that is aborted before every member arrived, or that fails to connect,
-        is given up and the next offer waited for; only a user error escapes.
+        A generation that is aborted before every member arrived, that fails to connect, or
+        whose groups fail while it forms (`peer_failed`), is given up and the next offer waited
+        for; only a user error escapes.
         """
         left = time.perf_counter()
         if reason == "heal":
@@ -163,7 +155,7 @@ class Membership:
                 state_lost = isinstance(exc, StateLostError)
                 self.mailbox.formed(spec.generation, {"ok": False, "state_lost": state_lost,
                                                       "error": f"{type(exc).__name__}: {exc}"})
-                if not (state_lost or is_peer_failure(exc)):
+                if not (state_lost or isinstance(exc, _ConnectFailed) or peer_failed(exc)):
                     raise
                 continue  # the controller offers another generation: a restart, if state was lost
             if timings is None:
@@ -178,16 +170,11 @@ class Membership:
         # Nothing may keep the old group alive: see leave_group.
         held = self._model().unbind()
         self._data_group = None
-        with self._group_lock:
-            self._group = None
-        if self._gradient_all_reduce is not None:
-            self._gradient_all_reduce.abort(
-                f"{PEER_ABORT_MARKER}: generation {self._gradient_all_reduce.generation} was left")
-            self._gradient_all_reduce = None
-        if self._hierarchy is not None:
-            held += self._hierarchy.release()
-            self._hierarchical_calls += self._hierarchy.calls
-            self._hierarchy = None
+        group, self._group = self._group, None
+        generations.enter(None)
+        if group is not None:
+            held += group.release()
+            self._hierarchical_calls += group.hierarchy.calls if group.hierarchy is not None else 0
         leave_group(self.spec.backend if self.spec else "gloo", held)
 
     def _form(self, spec: GenerationSpec, left: float) -> dict[str, float] | None:
@@ -207,23 +194,29 @@ class Membership:
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
         model = self._model()
+        hierarchy: list[HierarchicalAllReduce] = []
 
         def connect() -> None:
             form_group(spec, store)
             self._data_group = model.connect(spec)
             if self._data_group is None and self._techniques.reduces_within_nodes and fits(spec):
-                self._hierarchy = HierarchicalAllReduce(spec)
+                hierarchy.append(HierarchicalAllReduce(spec))
 
-        links = GroupLinks.opened_by(connect)
+        try:
+            links = GroupLinks.opened_by(connect)
+        except WorkerEvictedError:
+            raise
+        except Exception as exc:
+            raise _ConnectFailed(f"generation {spec.generation} did not connect: {type(exc).__name__}: {exc}") from exc
         self._probe.connected = spec.generation
-        with self._group_lock:
-            self._group = (spec.generation, dist.group.WORLD, links)
         # Under the hierarchy a rank learns of a death on another node only through its node's leader.
-        hierarchy = self._hierarchy
+        within_nodes = hierarchy[0] if hierarchy else None
         abortable = spec.backend == "gloo" and (spec.world_size >= ABORTABLE_FROM_WORLD_SIZE or model.abortable
-                                                or hierarchy is not None)
-        self._gradient_all_reduce = GradientAllReduce(spec.generation, abortable,
-                                                      hierarchy.all_reduce if hierarchy is not None else None)
+                                                or within_nodes is not None)
+        gradients = GradientAllReduce(spec.generation, abortable,
+                                      within_nodes.all_reduce if within_nodes is not None else None)
+        self._group = GenerationGroup(spec.generation, spec.backend, dist.group.WORLD, links, gradients, within_nodes)
+        generations.enter(self._group)
         hooked = abortable or self._faults.needs_comm_hook or self._techniques.hooks_gradients
         generation = Generation(spec, self._average, self._agree, (self, _allreduce_hook) if hooked else None)
         model.bind(generation)
@@ -276,23 +269,14 @@ class Membership:
         self.checkpoint = checkpoint
 
     def abort_stale_group(self, newer_generation: int) -> None:
-        """Abort the collectives of a generation older than `newer_generation`, from the control
-        thread: the train thread may wait in one of them for a peer that died or was cut off. On
-        NCCL that is the communicator of the group captured when it formed, so the one replacing
-        it is never hit; on gloo, the generation's gradient all-reduces (`GradientAllReduce`) and
-        its connections (`GroupLinks.sever`), which fails any gloo call still waiting on a peer
-        that sends nothing."""
-        with self._group_lock:
-            stale = self._group if self._group and self._group[0] < newer_generation else None
-        collectives = self._gradient_all_reduce
-        if collectives is not None and collectives.generation < newer_generation:
-            collectives.abort(f"{PEER_ABORT_MARKER}: the controller offered generation {newer_generation} "
-                              f"in place of {collectives.generation}, which lost a member")
-        if stale is not None:
-            _, group, links = stale
-            abort_communicator(group)
-            if self.spec is not None and self.spec.backend == "gloo":
-                links.sever()
+        """Abort the generation this rank is in if it is older than `newer_generation`, from the
+        control thread: the train thread may wait in one of its collectives for a peer that died or
+        was cut off (`GenerationGroup.abort`). The group is the one captured when it formed, so the
+        one replacing it is never hit."""
+        group = self._group
+        if group is not None and group.generation < newer_generation:
+            group.abort(f"{PEER_ABORT_MARKER}: the controller offered generation {newer_generation} "
+                        f"in place of {group.generation}, which lost a member")
 
     def _average(self, flat: torch.Tensor) -> None:
         """Sum a flat gradient buffer across the replicas, abortable like DDP's all-reduce."""
@@ -302,13 +286,13 @@ class Membership:
     def launch_average(self, flat: torch.Tensor) -> torch.futures.Future:
         """Start summing a flat gradient buffer across the generation, abortable like DDP's
         all-reduce: its future (stale synchrony waits for it steps later)."""
-        future = self._gradient_all_reduce.all_reduce(flat, self._data_group)
+        future = self._group.gradients.all_reduce(flat, self._data_group)
         self._probe.launched += 1
         return future
 
     def _agree(self) -> None:
         """Return once every rank of the generation averaged its gradients (see `GradientAllReduce.agree`)."""
-        self._gradient_all_reduce.agree(self.store(), self._progress.step, self.spec.world_size)
+        self._group.gradients.agree(self.store(), self._progress.step, self.spec.world_size)
 
     def claim(self, fault: Fault, on_fault: Callable[[Fault], None]) -> bool:
         """Claim `fault` for this rank; True once per run, for the first rank to meet it (told `on_fault`)."""
@@ -331,6 +315,11 @@ def _allreduce_hook(membership, bucket):
     """
     membership._faults.at("allreduce", membership.rank, membership._progress.step)
     techniques = membership._techniques
-    future = techniques.codec.all_reduce(bucket, membership._gradient_all_reduce.all_reduce)
+    future = techniques.codec.all_reduce(bucket, membership._group.gradients.all_reduce)
     membership._probe.launched += 1
     return future if techniques.overlap is None else techniques.overlap.after_reduce(future, bucket)
+
+
+class _ConnectFailed(RuntimeError):
+    """Connecting a generation's groups failed (a member died right after the barrier): the
+    controller offers another."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from elastic.checkpoint import reported
 from elastic.checkpoint.checkpoint import Checkpoint, CheckpointWriter, take_snapshot
-from elastic.comm.group import is_peer_failure
+from elastic.comm.generation import peer_failed
 from elastic.config import CheckpointConfig
 from elastic.errors import ElasticError
 from elastic.parallel.prepared import PreparedModel
@@ -109,7 +109,7 @@ class Snapshots:
         try:
             work.wait()
         except Exception as exc:
-            if not is_peer_failure(exc):
+            if not peer_failed(exc):
                 raise
             heal()
             return False

@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from elastic.comm.group import GenerationSpec, is_peer_failure
+from elastic.comm.generation import peer_failed
+from elastic.comm.group import GenerationSpec
 from elastic.data import order as data_math
 from elastic.errors import ElasticError
 
@@ -124,7 +125,7 @@ class BetweenSteps:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None or not is_peer_failure(exc):
+        if exc is None or not peer_failed(exc):
             return False
         # Keep the message, not the exception: its traceback would keep the old group alive.
         self.failed = f"{type(exc).__name__}: {exc}"

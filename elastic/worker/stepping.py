@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from elastic.comm.group import is_peer_failure
+from elastic.comm.generation import peer_failed
 from elastic.techniques.strategy import Techniques
 from elastic.worker.batching import MicroBatching
 from elastic.worker.injection import FaultInjector
@@ -61,7 +61,7 @@ class Stepping:
                                "step_s": time.perf_counter() - step.started, "compute_s": step.compute_s,
                                "samples": step.samples, "time": time.time()})
             return False
-        if self._membership.aborted or is_peer_failure(exc):
+        if peer_failed(exc):
             # Keep the message, not the exception: its traceback would keep the old DDP alive.
             step.failed = f"{type(exc).__name__}: {exc}"
             if not step.committed:
