@@ -4,6 +4,7 @@ multi-node Ray cluster in network namespaces (elastic.testing.NetworkCluster).
     .venv/bin/python -m benchmarks.partition                        # 3 rounds, about 16 minutes
     .venv/bin/python -m benchmarks.partition --paces 3s             # the 3 s steps only, about 8 minutes
     .venv/bin/python -m benchmarks.partition --rounds 1 --out /tmp/partition.json
+    .venv/bin/python -m benchmarks.partition --cuts partial      # the partial partition only, about 3 minutes
 
 Run it from the repository root, as root on Linux. The cluster is a head with no CPUs for workers
 and three worker nodes of one CPU each; each run is tests/network_driver.py's: `regression_loop`
@@ -16,7 +17,12 @@ Figures, each a median over the rounds with min, median and max under `spread.<k
   commit times, logged by the loop), everything the survivors stood still included;
 - partition_sigkill_recovery_s.<pace>: the same for the SIGKILL;
 - partition_detect_s.<pace>: the `recovery` event's `detect_s`, the last commit to the moment the
-  controller called the node unreachable.
+  controller called the node unreachable;
+- partial_partition_recovery_s: a partial partition at 0.3 s steps (`network_driver.cut_partially`:
+  rank 1's node stops reaching the nodes of ranks 0 and 2, every node still reaches the head), from
+  the cut to the survivors' first committed step;
+- partial_partition_detect_s: its `recovery` event's `detect_s`, the last commit to the moment the
+  controller called rank 1 cut off.
 
 The keys are merged into benchmarks/results/bench.json (or --out), keeping the others.
 """
@@ -35,7 +41,8 @@ from elastic.testing import NetworkCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from network_driver import FAST, SLOW, SLOWEST, Pace, cut_mid_step, events, result, start_full  # noqa: E402
+from network_driver import (FAST, MEASURED, SLOW, SLOWEST, Pace, cut_mid_step, cut_partially, events,  # noqa: E402
+                            result, start_full)
 
 PACES = {"50ms": FAST, "1s": SLOW, "3s": SLOWEST}
 
@@ -59,6 +66,14 @@ def partition_round(cluster: NetworkCluster, folder: Path, pace: Pace) -> dict[s
             "detect_s": recovery["detect_s"]}
 
 
+def partial_round(cluster: NetworkCluster, folder: Path) -> dict[str, float]:
+    log = folder / "partial-steps.log"
+    cut = cut_partially(cluster, folder, MEASURED, step_log=log, name="partial")
+    [recovery] = [e for e in cut.events if e["type"] == "recovery"]
+    return {"recovery_s": first_commit_after(log, cut.cut_at, healed_at(cut.events, cut.cut_at)),
+            "detect_s": recovery["detect_s"]}
+
+
 def sigkill_round(cluster: NetworkCluster, folder: Path, pace: Pace) -> float:
     log = folder / "sigkill-steps.log"
     driver, first, _ = start_full(cluster, folder, "sigkill", pace, step_log=log)
@@ -70,8 +85,13 @@ def sigkill_round(cluster: NetworkCluster, folder: Path, pace: Pace) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, args = parse_rounds(__doc__, argv, lambda p: p.add_argument(
-        "--paces", nargs="+", choices=list(PACES), default=list(PACES), help="the step times to measure at"))
+    def arguments(p):
+        p.add_argument("--paces", nargs="+", choices=list(PACES), default=list(PACES),
+                       help="the step times to cut a node's link at")
+        p.add_argument("--cuts", nargs="+", choices=["full", "partial"], default=["full", "partial"],
+                       help="full: a node's link down (at each pace); partial: a node cut from its peers only")
+
+    parser, args = parse_rounds(__doc__, argv, arguments)
     reason = NetworkCluster.unavailable()
     if reason is not None:
         parser.error(f"the network cluster cannot run here: {reason}")
@@ -80,7 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     with NetworkCluster(nodes=4, cpus_per_node=1, head_cpus=0) as cluster, \
             tempfile.TemporaryDirectory(prefix="elastic-partition-") as storage:
         for round_index in range(args.rounds):
-            for label in args.paces:
+            if "partial" in args.cuts:
+                folder = Path(storage) / f"round-{round_index}-partial"
+                folder.mkdir()
+                partial = partial_round(cluster, folder)
+                figures.setdefault("partial_partition_recovery_s", []).append(partial["recovery_s"])
+                figures.setdefault("partial_partition_detect_s", []).append(partial["detect_s"])
+                print(f"round {round_index + 1}/{args.rounds} partial: {partial['recovery_s']:.2f} s "
+                      f"(detect {partial['detect_s']:.2f} s), load {os.getloadavg()[0]:.1f}", flush=True)
+            for label in args.paces if "full" in args.cuts else ():
                 pace = PACES[label]
                 folder = Path(storage) / f"round-{round_index}-{label}"
                 folder.mkdir()
@@ -98,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         "partition_sigkill_recovery_s": "the same worker SIGKILLed at the same moment instead: seconds to the "
                                         "survivors' first committed step",
         "partition_detect_s": "the recovery event's detect_s: the last commit to the call that the node is unreachable",
+        "partial_partition_recovery_s": "rank 1's node cut from the nodes of ranks 0 and 2 (each still reaching the "
+                                        "head) inside a 0.3 s step: seconds from the cut to the survivors' first "
+                                        "committed step (benchmarks/partition.py --cuts partial)",
+        "partial_partition_detect_s": "its recovery event's detect_s: the last commit to the call that rank 1 is cut off",
     }, command_line("benchmarks.partition", argv), time.time() - started)
     print_medians(figures)
     return 0
