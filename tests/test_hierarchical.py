@@ -95,7 +95,8 @@ def _member(process, port, results):
     tensors, futures = _launch(gradients, 1, process)
     if process == DEAD:
         os._exit(0)  # with its burst in flight
-    threading.Timer(ABORT_AFTER_S, gradients.abort, args=(f"{PEER_ABORT_MARKER}: a peer is gone",)).start()
+    # The controller's heal offer, as a worker's control thread takes it: the generation is aborted.
+    threading.Timer(ABORT_AFTER_S, generations.current().abort, args=(f"{PEER_ABORT_MARKER}: a peer is gone",)).start()
     failed_in_death = _outcomes(1, range(4), tensors, futures, errors)
     _leave(hierarchy, errors)
 

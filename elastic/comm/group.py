@@ -55,10 +55,6 @@ GO, ABORT = "go", "abort"
 AGREE_POLL_S = (0.0005, 0.01)
 # How the reason an aborted all-reduce fails with begins.
 PEER_ABORT_MARKER = "process group was aborted"
-# gloo fails the dead rank's two ring neighbours at once; only from four ranks on does a
-# survivor depend on others to learn of it, which pays for a Python comm hook (measured: 4-10%
-# of a 11 ms step of the benchmark's MLP at 2 ranks on 2 cores). See `GradientAllReduce`.
-ABORTABLE_FROM_WORLD_SIZE = 4
 
 @dataclass(frozen=True)
 class GenerationSpec:
@@ -202,12 +198,14 @@ class GradientAllReduce:
 
     When a peer dies, gloo fails at once only the ranks next to it in its ring; every other
     rank fails when a neighbour of its own drops the group, one rank after another (measured
-    on 2 cores: 0.4 s until the last of 15 survivors knew). Aborting from the control thread,
-    when the controller's heal offer arrives, fails the futures DDP waits on at once, on
-    every survivor alike, and later all-reduces of the generation fail without starting. The
-    gloo operations themselves go on until their peers close their sockets (see
-    `leave_group`). NCCL has its own abort (`abort_communicator`), and gloo groups under
-    ABORTABLE_FROM_WORLD_SIZE need none: there this passes calls on.
+    on 2 cores: 0.4 s until the last of 15 survivors knew). The controller's heal offer frees
+    them all at once: its abort (`elastic.comm.generation.GenerationGroup.abort`) severs the
+    generation's connections, which fails every gloo operation waiting on them, DDP's own C++
+    all-reduce included, at any world size. So DDP's gradients take its own path at every
+    world size, with no Python hook (which cost 2-4% of the benchmark's 25 ms step at 2 ranks,
+    `benchmarks/hook_cost.py`). Where the replicas' own averages and agreement need more
+    (`abortable`), an abort also fails the futures they wait on at once, and later all-reduces
+    of the generation fail without starting; otherwise this passes calls on.
 
     `world` sums across the generation's default group: gloo's flat ring unless the generation
     reduces within its nodes first (`elastic.comm.hierarchical`).

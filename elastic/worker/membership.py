@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from elastic.checkpoint.checkpoint import Checkpoint, CheckpointError
 from elastic.comm.group import (
-    ABORTABLE_FROM_WORLD_SIZE,
     PEER_ABORT_MARKER,
     GenerationSpec,
     GradientAllReduce,
@@ -211,8 +210,7 @@ class Membership:
         self._probe.connected = spec.generation
         # Under the hierarchy a rank learns of a death on another node only through its node's leader.
         within_nodes = hierarchy[0] if hierarchy else None
-        abortable = spec.backend == "gloo" and (spec.world_size >= ABORTABLE_FROM_WORLD_SIZE or model.abortable
-                                                or within_nodes is not None)
+        abortable = spec.backend == "gloo" and (model.abortable or within_nodes is not None)
         gradients = GradientAllReduce(spec.generation, abortable,
                                       within_nodes.all_reduce if within_nodes is not None else None)
         self._group = GenerationGroup(spec.generation, spec.backend, dist.group.WORLD, links, gradients, within_nodes)
