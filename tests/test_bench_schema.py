@@ -120,6 +120,8 @@ QUOTED_KEYS = {
         "partition_detect_s.3s",
         "partial_partition_recovery_s",
         "partial_partition_detect_s",
+        "hook_cost_ratio_2_ranks",
+        "abortable_hook_cost_ratio_2_ranks",
         "network.1gbit.ddp.floor_fraction",
         "network.1gbit.bf16.samples_s_ratio_vs_ddp",
         "network.1gbit.powersgd_r4.samples_s_ratio_vs_ddp",
