@@ -66,8 +66,10 @@ class Generation:
     spec: GenerationSpec
     average: Callable[[torch.Tensor], None]  # sums a flat gradient buffer across the replicas, abortably
     agree: Callable[[], None]  # returns once every rank averaged its gradients (`GradientAllReduce.agree`)
-    # DDP's all-reduce of one bucket as (state, hook) for `register_comm_hook`, where it must be the runtime's
+    # DDP's all-reduce of one bucket as (state, hook) for `register_comm_hook`, where a technique routes it
     comm_hook: tuple[Any, Callable[[Any, Any], torch.futures.Future]] | None
+    # Called inside DDP's gradient all-reduce (the faults injected there), without changing its path
+    inside_all_reduce: Callable[[], None] | None = None
 
 
 class PreparedModel:

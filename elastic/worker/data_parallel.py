@@ -10,6 +10,7 @@ each generation, and the train loop's model holds that generation's module. Both
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -71,6 +72,8 @@ class DataParallelModel(PreparedModel):
                  objects: dict[str, Any]) -> None:
         self._techniques = techniques
         self._device = place.device
+        self._inside: torch.utils.hooks.RemovableHandle | None = None  # the faults' hook in this generation
+        self._syncing = True  # the backward under way syncs the gradients (its micro-batch is the step's last)
         if model is not None:
             model.to(place.device)
             self.returned = ElasticDDP(techniques, model)
@@ -94,14 +97,21 @@ class DataParallelModel(PreparedModel):
         if generation.comm_hook is not None:
             ddp.register_comm_hook(*generation.comm_hook)
         self.returned.ddp = ddp
+        if generation.inside_all_reduce is not None:
+            self._inside = _hook_inside_all_reduce(self.returned.module, generation.inside_all_reduce,
+                                                   lambda: self._syncing)
         return generation.comm_hook is not None
 
     def unbind(self) -> list[Any]:
         if self.returned is not None:
             self.returned.ddp = None
+        if self._inside is not None:
+            self._inside.remove()
+            self._inside = None
         return []
 
     def accumulating(self, last: bool) -> AbstractContextManager:
+        self._syncing = last
         ddp = self.returned.ddp if self.returned is not None else None
         return ddp.no_sync() if ddp is not None and not last else nullcontext()
 
@@ -123,6 +133,19 @@ class ShardedModel(DataParallelModel):
     def accumulating(self, last: bool) -> AbstractContextManager:
         self._techniques.sharded.set_requires_gradient_sync(last)
         return super().accumulating(last)
+
+
+def _hook_inside_all_reduce(module: torch.nn.Module, call: Callable[[], None],
+                            syncing: Callable[[], bool]) -> torch.utils.hooks.RemovableHandle | None:
+    """Call `call` inside DDP's gradient all-reduce of each syncing backward, on DDP's own path: once
+    the gradient of the module's first parameter accumulated, usually the backward's last, when
+    DDP launched every bucket but the one holding it (a tensor's hook runs before DDP's, which
+    marks the parameter ready). A rank that dies or hangs there never completes the all-reduce its
+    peers wait in."""
+    first = next((p for p in module.parameters() if p.requires_grad), None)
+    if first is None:
+        return None
+    return first.register_post_accumulate_grad_hook(lambda _: call() if syncing() else None)
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

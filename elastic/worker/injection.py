@@ -5,7 +5,7 @@ The train context calls `FaultInjector.at(point, rank, step)` at a few named poi
 | point | where |
 |---|---|
 | `step_start` | before a step's forward |
-| `allreduce` | inside DDP's gradient all-reduce (a comm hook installed only when a fault needs it) |
+| `allreduce` | inside the gradient all-reduce: DDP's, on its own path, once the backward's last gradient accumulated (`Generation.inside_all_reduce`); a replica kind's average |
 | `barrier` | as the rank reaches the barrier of a generation it joins |
 | `prepare` | as the rank answers a grow's prepare (on the worker's control thread) |
 
@@ -37,10 +37,6 @@ class FaultInjector:
         self.faults = faults
         self._claim = claim
         self.slow_extra_s = 0.0  # added to each step by a `slow` fault, from its firing on
-
-    @property
-    def needs_comm_hook(self) -> bool:
-        return any(f.kind == "hang" or (f.kind == "kill" and f.where == "allreduce") for f in self.faults)
 
     def at(self, point: str, rank: int, step: int, compute_s: float = 0.0) -> None:
         if not self.faults:

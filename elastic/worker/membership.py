@@ -215,8 +215,9 @@ class Membership:
                                       within_nodes.all_reduce if within_nodes is not None else None)
         self._group = GenerationGroup(spec.generation, spec.backend, dist.group.WORLD, links, gradients, within_nodes)
         generations.enter(self._group)
-        hooked = abortable or self._faults.needs_comm_hook or self._techniques.hooks_gradients
-        generation = Generation(spec, self._average, self._agree, (self, _allreduce_hook) if hooked else None)
+        hooked = abortable or self._techniques.hooks_gradients
+        generation = Generation(spec, self._average, self._agree, (self, _allreduce_hook) if hooked else None,
+                                self._inside_all_reduce)
         model.bind(generation)
         connected = time.perf_counter()
         progress = self._progress
@@ -276,6 +277,13 @@ class Membership:
             group.abort(f"{PEER_ABORT_MARKER}: the controller offered generation {newer_generation} "
                         f"in place of {group.generation}, which lost a member")
 
+    def _inside_all_reduce(self) -> None:
+        """Inside DDP's gradient all-reduce of a step, on its own path (`Generation.inside_all_reduce`):
+        the faults injected there, then the count the hang check compares (a rank hung in its backward
+        never counts it, while its peers, done computing, wait in the all-reduce)."""
+        self._faults.at("allreduce", self.rank, self._progress.step)
+        self._probe.launched += 1
+
     def _average(self, flat: torch.Tensor) -> None:
         """Sum a flat gradient buffer across the replicas, abortable like DDP's all-reduce."""
         self._faults.at("allreduce", self.rank, self._progress.step)
@@ -301,20 +309,16 @@ class Membership:
 
 
 def _allreduce_hook(membership, bucket):
-    """DDP's all-reduce, abortable on gloo (`GradientAllReduce`), summed within each node first
-    where the generation spans nodes (`HierarchicalAllReduce`), compressed by the run's
-    `GradientCompression` or `PowerSGD`, with the faults that act inside it, counting the
-    buckets launched; under `Strategy(overlap_optimizer=True)` each bucket's parameters then step.
+    """DDP's all-reduce where a technique routes it: summed within each node first where the
+    generation spans nodes (`HierarchicalAllReduce`, abortable), compressed by the run's
+    `GradientCompression` or `PowerSGD`; under `Strategy(overlap_optimizer=True)` each bucket's
+    parameters then step. Elsewhere DDP's own all-reduce runs, with no hook.
 
-    Installed where the all-reduce must be abortable (always under the hierarchy), compressed or
-    followed by the optimizer's step, and wherever such faults exist.
     Unannotated on purpose: DDP rejects a hook whose annotations are strings, which
     `from __future__ import annotations` would make them.
     """
-    membership._faults.at("allreduce", membership.rank, membership._progress.step)
     techniques = membership._techniques
     future = techniques.codec.all_reduce(bucket, membership._group.gradients.all_reduce)
-    membership._probe.launched += 1
     return future if techniques.overlap is None else techniques.overlap.after_reduce(future, bucket)
 
 
