@@ -183,6 +183,11 @@ def form_group(spec: GenerationSpec, store: dist.TCPStore) -> None:
     """
     leave_group(spec.backend)
     set_torchrun_env(spec)
+    # torch names a default group by the count of groups the process created, and a connect that
+    # failed (a member died after the barrier) counted one without any destroy to reset it: the
+    # survivors would name the next generation's group "1" and a worker that never saw the failure
+    # "0", each waiting for the other's connect keys (GLOO_CONNECT_KEYS). Every member starts at 0.
+    dist.distributed_c10d._world.group_count = 0
     dist.init_process_group(
         spec.backend,
         store=dist.PrefixStore(f"{spec.prefix}/group", store),
