@@ -44,10 +44,10 @@ def _death(rank, port, results):
     group = _enter(store, "death", rank, 2)
     dist.all_reduce(torch.ones(4))
     sound = {message: peer_failed(RuntimeError(message)) for message in USER_ERRORS}
+    store.set(f"judged/{rank}", "1")
+    store.wait(["judged/0", "judged/1"])  # both judged while the group is whole
     if rank == 1:
-        store.set("judged", "1")
         os._exit(0)
-    store.wait(["judged"])
     try:
         dist.all_reduce(torch.ones(4))
         raised = None
@@ -104,6 +104,8 @@ def _aborted(rank, port, results):
     group = _enter(store, "aborted", rank, 2)
     dist.all_reduce(torch.ones(4))
     before = peer_failed(RuntimeError("timed out"))
+    store.set(f"judged/{rank}", "1")
+    store.wait(["judged/0", "judged/1"])  # an abort severs the peer's links too: judge before either
     group.abort("the controller offered generation 1 in place of 0")
     results[rank] = {"before": before, "errored": group.errored(), "after": peer_failed(RuntimeError("any"))}
 

@@ -10,8 +10,8 @@ and severs its gloo connections.
 Whether the generation failed is told from facts, never from the text of an exception
 (`errored`):
 - the controller's word: it offered a newer generation in this one's place (`abort`);
-- the kernel's: a connection of its groups closed (gloo closes its end once the peer died or
-  left), or data sent on one went unacknowledged while the kernel retransmits it (a cut link);
+- the kernel's, on gloo: a connection of its groups closed (gloo closes its end once the peer
+  died or left), or data sent on one went unacknowledged while the kernel retransmits it (a cut link);
 - torch's: a `torch.distributed.DistError` (NCCL's errors, the store's), a type only torch raises.
 
 `peer_failed(exc)` asks the generation this process is in, which the worker's membership
@@ -59,6 +59,8 @@ class GenerationGroup:
         """Why this generation's groups failed, from facts (see the module's docstring); None while sound."""
         if self._aborted is not None:
             return self._aborted
+        if self.backend != "gloo":
+            return None  # NCCL's sockets are its own, opened and closed as it likes: its errors are DistErrors
         health = self.links.health()
         return f"generation {self.generation}: {health.describe()}" if health.broken else None
 
