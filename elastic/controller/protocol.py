@@ -344,9 +344,7 @@ class Protocol:
         for worker_id, answer in obs.answers.items():
             if answer is not None or self.workers[worker_id].status == Status.GONE or isinstance(self.state, TERMINAL):
                 continue
-            # The survivors stood still since the last committed step: the recovery counts from there.
-            self.failure_at = min(self.failure_at or now, self.stalled_since)
-            self.detect_s = max(self.detect_s, now - self.stalled_since)
+            self._stood_still(now)
             why = f"answered no ping within FailureConfig(ping_timeout_s={self.failure.ping_timeout_s})"
             actions += self._give_up(worker_id, "unreachable", why, now, detect_s=now - self.stalled_since)
         return actions
@@ -367,8 +365,7 @@ class Protocol:
         cut = policies.find_cut_off(addresses, silent, self.failure.link_silence_s)
         if not cut or len(cut) == len(answered):
             return []
-        self.failure_at = min(self.failure_at or now, self.stalled_since)
-        self.detect_s = max(self.detect_s, now - self.stalled_since)
+        self._stood_still(now)
         cut_addresses = {addresses[w] for w in cut}
         links = sorted({(addresses[w], peer) for w in answered for peer, seconds in silent[w].items()
                         if seconds >= self.failure.link_silence_s
@@ -381,6 +378,12 @@ class Protocol:
                    f"{self.failure.link_silence_s}) or longer ({shown}): cut off by the network")
             actions += self._give_up(worker_id, "cut_off", why, now, detect_s=now - self.stalled_since)
         return actions
+
+    def _stood_still(self, now: float) -> None:
+        """A member is lost for a stall the latest poll is about: the survivors stood still since the
+        last committed step, so the recovery counts from there, and the stall went unseen until now."""
+        self.failure_at = min(self.failure_at or now, self.stalled_since)
+        self.detect_s = max(self.detect_s, now - self.stalled_since)
 
     def fenced(self, worker_id: int) -> bool:
         """Whether what `worker_id` sends must be refused: the controller gave up on it (it was
