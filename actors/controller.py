@@ -93,6 +93,9 @@ class Controller:
         self.progress = ProgressTracker(spec.data.global_batch_size, spec.data.max_steps)
         self.latest_checkpoint: Checkpoint | None = None
         self.shards = ShardCollector(self.storage, spec.run.checkpoint_config.keep_last)
+        # Manifests and retention deletes, one at a time and in order, on a thread of their own:
+        # a store that stalls holds only them, never the event loop nor the threads it shares.
+        self.manifests = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-manifest")
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.loop_ref = None
         self.started = time.time()
@@ -184,11 +187,11 @@ class Controller:
         if self._fenced(worker_id, "checkpoint_shard", step=report["step"], generation=report["generation"]):
             return
         self.inbox.put_nowait(signals.ShardWritten(report["rank"], report["step"]))
-        if "error" in report:
-            self.journal.emit("checkpoint_skipped", step=report["step"],
-                              reason=f"rank {report['rank']} could not write: {report['error']}")
+        if "error" in report or "skipped" in report:
+            why = report.get("skipped") or f"could not write: {report['error']}"
+            self.journal.emit("checkpoint_skipped", step=report["step"], reason=f"rank {report['rank']}: {why}")
             return
-        saved = await asyncio.to_thread(self.shards.add, report)
+        saved = await asyncio.get_running_loop().run_in_executor(self.manifests, self.shards.add, report)
         if saved is not None:
             self.latest_checkpoint, event = saved
             self.metrics.checkpoint_saved(event["stall_s"])
@@ -241,7 +244,7 @@ class Controller:
             elif isinstance(action, signals.PollProgress):
                 asyncio.ensure_future(self._poll(action.members))
         if self.journal.due:
-            await asyncio.to_thread(self.journal.flush)
+            self.journal.flush_soon()
         if self.placement_groups:
             self._free_lost_replicas()
 
@@ -395,7 +398,7 @@ class Controller:
             sample = self.progress.sample()
             if sample:
                 self.journal.emit("metrics", world_size=len(self.protocol.members), **sample)
-            await asyncio.to_thread(self.journal.flush)
+            self.journal.flush_soon()
 
     async def _stop_all(self) -> None:
         if self.protocol.finished:
@@ -409,7 +412,10 @@ class Controller:
             ray.kill(handle)
         for group in self.placement_groups.values():
             remove_placement_group(group)
-        await asyncio.to_thread(self.journal.flush)
+        try:
+            await asyncio.to_thread(self.journal.flush)
+        except Exception as exc:  # the store is away: the driver gets the events from memory and a warning
+            self.journal.flush_error = f"{type(exc).__name__}: {exc}"
 
     def _goodput(self) -> float:
         wall = time.time() - self.started
@@ -430,6 +436,10 @@ class Controller:
             "model": outcome.model if outcome else None,
             "events_uri": self.storage.uri + "/" + EventJournal.FILE,
             "checkpoint": self.latest_checkpoint,
+            "events": self.journal.events_since_start(self.spec.attempt),
+            "journal_error": self.journal.flush_error and
+            f"{self.journal.unwritten} events of the run could not be written to {self.storage.uri}: "
+            f"{self.journal.flush_error}",
         }
 
 

@@ -315,6 +315,12 @@ class RunConfig(_Frozen):
                 f"storage_filesystem is a {type(self.storage_filesystem).__name__}, not a pyarrow.fs.FileSystem; "
                 "pass e.g. pyarrow.fs.S3FileSystem(...) or leave it None"
             )
+        if self.storage_filesystem is not None and "://" in self.storage_path:
+            scheme, _, inside = self.storage_path.partition("://")
+            raise ValueError(
+                f"storage_path {self.storage_path!r} is a URI, but with storage_filesystem it is a path inside that "
+                f"filesystem: pass storage_path={inside!r} (or drop storage_filesystem to resolve the {scheme}:// URI)"
+            )
         return self
 
 

@@ -15,6 +15,7 @@ the head node, shows progress while the run goes on, and returns a `Result` or r
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,7 +29,6 @@ from elastic.config import (DataConfig, RunConfig, ScalingConfig, Strategy, chec
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
 from elastic.faults import Fault, check_faults
 from elastic.journal.display import ProgressDisplay
-from elastic.journal.events import read_events
 from elastic.parallel.parts import check_resume_fits
 from elastic.parallel.replicas import ReplicaShape
 
@@ -151,10 +151,10 @@ class ElasticTrainer:
                 line.close()
         outcome = ray.get(run_ref)
         ray.kill(controller)
-        # The run folder's journal holds every attempt of this run; the Result shows this one.
-        events = read_events(storage)
-        first = next(i for i, e in enumerate(events) if e["type"] == "run_started" and e.get("attempt") == spec.attempt)
-        events = events[first:]
+        # This attempt's events, from the controller's memory: a store that is away does not hide them.
+        events = outcome["events"]
+        if outcome["journal_error"]:
+            warnings.warn(f"{outcome['journal_error']}; Result.events holds them", stacklevel=2)
         if not outcome["finished"]:
             failure = outcome["failure"]
             if failure.get("kind") == "capacity":

@@ -7,8 +7,11 @@ test plays the controller by writing the manifest once both have reported.
 import hashlib
 import io
 import json
+import os
 import pickle
+import time
 
+import pyarrow.fs as pafs
 import pytest
 import safetensors.torch
 import torch
@@ -31,6 +34,7 @@ from elastic.checkpoint.checkpoint import (
 )
 from elastic.checkpoint.storage import RunStorage
 from elastic.comm.state_sync import state_of
+from held_store import HeldStore
 
 
 def _model_and_optimizer(seed=0):
@@ -309,3 +313,29 @@ def test_a_storage_error_leaves_the_checkpoint_incomplete_and_is_reported(tmp_pa
     writer.submit(snapshot, 0, 1, 0.0, {}, {})
     writer.wait()
     assert "error" in reports[0]
+
+
+def _until(condition):
+    while not condition():
+        time.sleep(0.01)
+
+
+def test_a_store_that_stops_answering_never_holds_up_submit_and_a_newer_snapshot_replaces_one_still_waiting(tmp_path):
+    store = HeldStore()
+    run = RunStorage(str(tmp_path), "run", pafs.PyFileSystem(store))
+    reports = []
+    writer = CheckpointWriter(run, on_written=reports.append)
+    snapshots = {step: take_snapshot({"t": torch.full((3,), float(step))}, {"step": step, "cursor": {}})
+                 for step in (10, 20, 30)}
+    store.hold()
+    writer.submit(snapshots[10], 0, 1, 0.0, {}, {})
+    _until(lambda: store.waiting)  # step 10's upload waits on the store
+    # Each returns while the store still holds step 10's write: nothing waits on it.
+    writer.submit(snapshots[20], 0, 1, 0.0, {}, {})
+    writer.submit(snapshots[30], 0, 1, 0.0, {}, {})
+    assert store.waiting and not reports
+    store.release()
+    writer.wait()
+    assert [(r["step"], "skipped" in r) for r in reports] == [(10, False), (20, True), (30, False)]
+    assert "replaced it: the store is slower than the checkpoint schedule" in reports[1]["skipped"]
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step_10", "step_30"]

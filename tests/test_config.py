@@ -463,3 +463,10 @@ def test_pipeline_stages_and_tensor_parallel_make_one_replica_of_both():
     with pytest.raises(ValidationError, match=r"max_workers\(6\) is not a whole number of replicas of "
                                               r"pipeline_stages\(2\) x tensor_parallel\(2\) workers"):
         ScalingConfig(pipeline_stages=2, tensor_parallel=2, min_workers=4, max_workers=6)
+
+
+def test_a_uri_storage_path_beside_a_storage_filesystem_is_rejected_with_the_path_inside_it_to_pass():
+    s3 = pafs.S3FileSystem(endpoint_override="127.0.0.1:9", scheme="http", access_key="a", secret_key="b")
+    with pytest.raises(ValidationError, match=r"with storage_filesystem it is a path inside that filesystem: "
+                                              r"pass storage_path='bucket/runs'"):
+        RunConfig(name="x", storage_path="s3://bucket/runs", storage_filesystem=s3)

@@ -9,6 +9,7 @@ import os
 import pathlib
 import re
 import threading
+import time
 
 import pyarrow.fs as pafs
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from elastic.checkpoint.storage import RunStorage
 from elastic.journal.events import EVENT_TYPES, EventJournal, has_journal, read_events, segment_name
 from elastic.journal.resume import resume
+from held_store import HeldStore
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -256,3 +258,40 @@ def test_every_event_type_the_controller_and_the_protocol_emit_is_known(local):
     sources = [*root.joinpath("elastic").rglob("*.py"), *root.joinpath("actors").rglob("*.py")]
     emitted = {m for path in sources for m in re.findall(r'[eE]mit\("([a-z_]+)"', path.read_text())}
     assert emitted and emitted <= set(EVENT_TYPES), f"unknown event types: {sorted(emitted - set(EVENT_TYPES))}"
+
+
+def test_while_the_store_stops_answering_the_events_wait_in_memory_and_are_written_in_order_once_it_answers(tmp_path):
+    store = HeldStore()
+    storage = RunStorage(str(tmp_path), "run", pafs.PyFileSystem(store))
+    journal = EventJournal(storage, retry_s=0.01)
+    journal.emit("state", state="RUNNING")
+    journal.flush()
+    store.hold()
+    for step in range(5):
+        journal.emit("recovery", step=step)
+        journal.flush_soon()  # returns while the store holds the journal's write
+    while not store.waiting:
+        time.sleep(0.01)
+    assert journal.unwritten == 5 and [e["step"] for e in journal.events[1:]] == list(range(5))
+    store.release()
+    while journal.unwritten:
+        time.sleep(0.01)
+    assert [e.get("step") for e in read_events(storage)] == [None, 0, 1, 2, 3, 4]
+
+
+def test_a_flush_that_fails_keeps_its_events_and_the_journal_writes_them_when_the_store_is_back(tmp_path):
+    folder = tmp_path / "run"
+    folder.write_text("a file where the run folder should be: every write fails")
+    storage = RunStorage(str(tmp_path), "run")
+    journal = EventJournal(storage, retry_s=0.01)
+    journal.emit("state", state="RUNNING")
+    journal.flush_soon()
+    while journal.flush_error is None:
+        time.sleep(0.01)
+    assert journal.unwritten == 1
+    folder.unlink()  # the store is back
+    journal.emit("state", state="FINISHED")
+    while journal.unwritten:
+        time.sleep(0.01)
+    assert [e["state"] for e in read_events(storage)] == ["RUNNING", "FINISHED"]
+    assert journal.flush_error is None

@@ -20,7 +20,7 @@ LAYERS = [
     ["journal", "techniques", "parallel"],
     ["worker"],
     ["actors"],
-    ["trainer", "testing"],
+    ["trainer", "testing", "s3_server"],
     ["__init__"],  # the names users import as elastic.X
     ["demo"],
     ["cli"],

@@ -1,14 +1,21 @@
 """Checkpoints and the journal on S3: a real S3-compatible server (moto, in server mode) on a
-free local port, reached through pyarrow.fs.S3FileSystem with an endpoint override.
+free local port, reached through pyarrow.fs.S3FileSystem with an endpoint override; for a store
+that stops answering, one in a process of its own, frozen with SIGSTOP (`elastic.s3_server`).
 """
+
+import threading
+import time
 
 import pyarrow.fs as pafs
 import pytest
+import torch
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, RunConfig, ScalingConfig
-from elastic.checkpoint.checkpoint import Checkpoint
+from elastic.checkpoint.checkpoint import (MANIFEST, Checkpoint, checkpoint_steps, checkpoint_storage,
+                                           latest_complete, verify)
 from elastic.checkpoint.storage import RunStorage, StorageError
 from elastic.journal.events import read_events
+from elastic.s3_server import S3Server
 from workloads import GLOBAL_BATCH, regression_loop
 
 pytestmark = pytest.mark.timeout(240)
@@ -59,3 +66,72 @@ def test_a_bucket_that_does_not_exist_fails_before_anything_starts(s3):
     strict = _filesystem(s3, allow_bucket_creation=False)
     with pytest.raises(StorageError, match="cannot write to the run folder"):
         RunStorage("no-such-bucket/prefix", "run", strict).check_writable()
+
+
+def _frozen_store_run(tmp_path, freeze_s: float):
+    """Two workers at 0.05 s steps, a checkpoint every EVERY steps, on an S3 server that is frozen
+    (SIGSTOP) for `freeze_s` once step FREEZE_AT committed: (result, the run's storage, when each
+    step committed, the freeze's start and end)."""
+    log = tmp_path / "steps.log"
+    window = {}
+
+    with S3Server() as server:
+        fs = server.filesystem(connect_timeout=1, request_timeout=2)
+        server.filesystem(allow_bucket_creation=True).create_dir("bucket")
+
+        def freeze_at_step():
+            while not log.exists() or len(log.read_text().splitlines()) < FREEZE_AT:
+                time.sleep(0.01)
+            server.freeze()
+            window["frozen"] = time.time()
+            time.sleep(freeze_s)
+            window["thawed"] = time.time()
+            server.thaw()
+
+        freezer = threading.Thread(target=freeze_at_step, daemon=True)
+        freezer.start()
+        result = ElasticTrainer(
+            regression_loop,
+            train_loop_config={"max_steps": STALL_STEPS, "sleep_s": 0.05, "step_log": str(log)},
+            scaling_config=ScalingConfig(min_workers=2, max_workers=2),
+            run_config=RunConfig(name="frozen-store", storage_path="bucket/runs", storage_filesystem=fs,
+                                 checkpoint_config=CheckpointConfig(every_steps=EVERY, keep_last=100)),
+            data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=STALL_STEPS),
+            show_progress=False,
+        ).fit()
+        freezer.join()
+        committed = {int(s): float(t) for s, t in (line.split() for line in log.read_text().splitlines())}
+        yield result, RunStorage("bucket/runs", "frozen-store", fs), committed, window
+
+
+FREEZE_AT, EVERY, STALL_STEPS = 40, 10, 400
+
+
+def test_a_frozen_store_never_stalls_training_and_every_event_and_checkpoint_lands_once_it_thaws(local_ray, tmp_path):
+    for result, run, committed, window in _frozen_store_run(tmp_path, freeze_s=8):
+        before = [t for s, t in committed.items() if FREEZE_AT - 30 <= s <= FREEZE_AT]
+        during = [s for s, t in committed.items() if window["frozen"] < t < window["thawed"]]
+        pace_before = (len(before) - 1) / (before[-1] - before[0])
+        pace_during = len(during) / (window["thawed"] - window["frozen"])
+        # The old writer made the next checkpoint wait for the frozen upload: EVERY steps at most.
+        assert len(during) > 3 * EVERY and pace_during > pace_before / 2, (pace_before, pace_during, len(during))
+
+        assert result.step == STALL_STEPS
+        ledger = result.value["ledger"]
+        assert torch.equal(ledger, torch.ones_like(ledger)), "a sample was lost or trained twice"
+        skipped = result.events_of("checkpoint_skipped")
+        assert skipped and all(window["frozen"] < e["time"] for e in skipped), skipped
+        saved = [e["step"] for e in result.events_of("checkpoint_saved")]
+        thawed_at = max(s for s, t in committed.items() if t < window["thawed"])
+        assert any(step > thawed_at for step in saved) and saved[-1] == STALL_STEPS, (saved, thawed_at)
+
+        # Events emitted while the store was away reached it once it answered, in order, once each.
+        stored = read_events(run)
+        assert stored[-len(result.events):] == result.events
+        assert any(window["frozen"] < e["time"] < window["thawed"] for e in stored)
+        # Every checkpoint with a manifest is whole; a resume starts from the newest.
+        for step in checkpoint_steps(run):
+            folder = checkpoint_storage(run, step)
+            if folder.size(MANIFEST) is not None:
+                verify(folder)
+        assert latest_complete(run, lambda step, reason: None).step == STALL_STEPS

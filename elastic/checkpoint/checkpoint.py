@@ -29,6 +29,7 @@ that hold slices of the same tensors along the dimension each was cut.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -389,36 +390,71 @@ def steps_to_delete(steps: list[int], complete: list[int], keep_last: int) -> li
 
 
 class CheckpointWriter:
-    """Writes this rank's shards in a background thread, one checkpoint at a time."""
+    """Writes this rank's shards on a thread of its own, one checkpoint at a time, and never makes
+    the caller wait for the store.
+
+    A store that stalls (an endpoint throttling, a NAS that hangs) holds only this thread. A
+    snapshot submitted meanwhile waits in one slot, and a newer one takes its place: the older
+    is reported as skipped (`on_written` with "skipped"), so at most two snapshots (the one
+    uploading and the one waiting) are held whatever the store does, and the next upload is
+    always of the newest state.
+    """
 
     def __init__(self, run: RunStorage, on_written: Callable[[dict[str, Any]], None]) -> None:
         self.run = run
         self.on_written = on_written
+        self._changed = threading.Condition()
+        self._waiting: _Upload | None = None
+        self._skipped: list[dict[str, Any]] = []  # reports of replaced snapshots, sent by the thread
+        self._uploading = False
         self._thread: threading.Thread | None = None
 
     def submit(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
                user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool = False,
-               optimizer_shard: dict[str, Any] | None = None, reported_files: dict[str, bytes] | None = None,
+               optimizer_shard: dict[str, Any] | None = None,
+               reported_files: dict[str, bytes] | Callable[[], dict[str, bytes]] | None = None,
                generation: int = 0, part: Part | None = None) -> None:
         """Write this rank's shard (and `optimizer_shard`, its part of a ZeRO optimizer's state, a
-        copy; on rank 0 the user's files and the `reported_files` of elastic.report) in the background."""
-        self.wait()
-        self._thread = threading.Thread(
-            target=self._write,
-            args=(snapshot, rank, world_size, stall_s, dict(user_files), dict(metadata), crash_midway,
-                  optimizer_shard, dict(reported_files or {}), generation, part),
-            daemon=True, name="elastic-checkpoint",
-        )
-        self._thread.start()
+        copy; on rank 0 the user's files and the `reported_files` of elastic.report, or what reads
+        them) in the background, without waiting."""
+        upload = _Upload(snapshot.step, rank, world_size, generation, functools.partial(
+            self._write, snapshot, rank, world_size, stall_s, dict(user_files), dict(metadata), crash_midway,
+            optimizer_shard, reported_files or {}, generation, part))
+        with self._changed:
+            replaced, self._waiting = self._waiting, upload
+            if replaced is not None:
+                self._skipped.append(replaced.skipped(
+                    f"the snapshot of step {replaced.step} waited for the upload before it, and the one of step "
+                    f"{snapshot.step} replaced it: the store is slower than the checkpoint schedule"))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="elastic-checkpoint")
+                self._thread.start()
+            self._changed.notify_all()
 
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Return once every submitted snapshot is written or reported skipped."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._waiting is None and not self._skipped and not self._uploading)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._waiting is not None or self._skipped)
+                skipped, self._skipped = self._skipped, []
+                upload, self._waiting = self._waiting, None
+                self._uploading = True
+            for report in skipped:
+                self.on_written(report)
+            if upload is not None:
+                upload.write()
+            with self._changed:
+                self._uploading = False
+                self._changed.notify_all()
 
     def _write(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
                user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool,
-               optimizer_shard: dict[str, Any] | None, reported_files: dict[str, bytes], generation: int,
+               optimizer_shard: dict[str, Any] | None,
+               reported_files: dict[str, bytes] | Callable[[], dict[str, bytes]], generation: int,
                part: Part | None) -> None:
         started = time.perf_counter()
         folder = checkpoint_storage(self.run, snapshot.step)
@@ -446,13 +482,28 @@ class CheckpointWriter:
             if rank == 0:
                 for name, data in user_files.items():
                     write(f"{USER_FILES}/{name}", [data])
-                for name, data in reported_files.items():
+                for name, data in (reported_files() if callable(reported_files) else reported_files).items():
                     write(f"{REPORTED}/{name}", [data])
                 report["metadata"] = metadata
         except Exception as exc:  # any storage error: the checkpoint stays incomplete, training goes on
             report["error"] = f"{type(exc).__name__}: {exc}"
         report["upload_s"] = time.perf_counter() - started
         self.on_written(report)
+
+
+@dataclass
+class _Upload:
+    """A snapshot waiting for the writer's thread: what names it, and the write itself."""
+
+    step: int
+    rank: int
+    world_size: int
+    generation: int
+    write: Callable[[], None]
+
+    def skipped(self, why: str) -> dict[str, Any]:
+        return {"step": self.step, "rank": self.rank, "world_size": self.world_size,
+                "generation": self.generation, "skipped": why}
 
 
 def file_path(entry: dict[str, Any]) -> str:

@@ -1,8 +1,10 @@
 """The event journal of a run folder `{storage_path}/{name}/`, one JSON object per line.
 
 Every event has a `type` and a `time` (Unix seconds). The controller collects events in
-memory and flushes them through `pyarrow.fs`; a flush writes only the events emitted since the
-previous one, so its cost does not grow with the run:
+memory and flushes them through `pyarrow.fs` on a thread of the journal's own (`flush_soon`), so
+a store that stalls never holds the controller up: the events wait in memory and are written, in
+order, once it answers. A flush writes only the events emitted since the previous one, so its
+cost does not grow with the run:
 
 - On a local disk the new lines are appended to `events.jsonl`.
 - On an object store (S3, GCS), which cannot append, each flush is a new segment file
@@ -49,6 +51,9 @@ EVENT_TYPES = (
 # them at once. The rest (metrics above all) wait for the next periodic flush.
 PROMPT_EVENT_TYPES = frozenset({"worker_failed", "decision", "recovery", "state", "generation_formed", "fenced"})
 
+# How long the journal's thread waits before writing again to a store that failed a flush.
+FLUSH_RETRY_S = 1.0
+
 SEGMENTS = "events"
 SEGMENT_DIGITS = 12
 _SEGMENT_NAME = re.compile(rf"^(\d{{{SEGMENT_DIGITS}}})\.jsonl$")
@@ -73,13 +78,18 @@ class EventJournal:
 
     FILE = "events.jsonl"
 
-    def __init__(self, storage: RunStorage, existing: Iterable[dict[str, Any]] = ()) -> None:
+    def __init__(self, storage: RunStorage, existing: Iterable[dict[str, Any]] = (),
+                 retry_s: float = FLUSH_RETRY_S) -> None:
         self._storage = storage
         self._events: list[dict[str, Any]] = list(existing)
         self._flushed = len(self._events)
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._writer: _Appender | _SegmentWriter | None = None
+        self._retry_s = retry_s
+        self._wake = threading.Event()
+        self._flusher: threading.Thread | None = None
+        self.flush_error: str | None = None  # why the last flush failed; None once one succeeded
 
     def emit(self, type: str, **fields: Any) -> dict[str, Any]:
         event = make_event(type, **fields)
@@ -98,6 +108,41 @@ class EventJournal:
         with self._lock:
             return list(self._events)
 
+    def events_since_start(self, attempt: str) -> list[dict[str, Any]]:
+        """The events of attempt `attempt` of the run, from its `run_started` on (the journal of a
+        run folder holds every attempt's)."""
+        events = self.events
+        starts = [i for i, e in enumerate(events) if e["type"] == "run_started" and e.get("attempt") == attempt]
+        return events[starts[0]:] if starts else []
+
+    @property
+    def unwritten(self) -> int:
+        """How many events are kept in memory only, not yet in the store."""
+        with self._lock:
+            return len(self._events) - self._flushed
+
+    def flush_soon(self) -> None:
+        """Have the journal's own thread write the new events; never waits for the store.
+
+        A store that is away keeps them in memory (`events` still has them), and the thread
+        writes them when it answers again, in order, retrying every `retry_s`."""
+        with self._lock:
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_forever, daemon=True, name="elastic-journal")
+                self._flusher.start()
+        self._wake.set()
+
+    def _flush_forever(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception as exc:  # any storage error: the events wait in memory for the retry
+                self.flush_error = f"{type(exc).__name__}: {exc}"
+                time.sleep(self._retry_s)
+                self._wake.set()
+
     def flush(self) -> None:
         """Write the events emitted since the last flush; those emitted meanwhile wait for the next."""
         # One writer at a time: two flushes must not write the same events, or in the wrong order.
@@ -111,6 +156,7 @@ class EventJournal:
                 self._writer = _open_writer(self._storage)
             self._writer.write(data)
             self._flushed = end
+            self.flush_error = None
 
 
 def _open_writer(storage: RunStorage) -> _Appender | _SegmentWriter:

@@ -2,7 +2,8 @@
 
 At a step boundary the schedule (`CheckpointConfig`: every N steps, the last step, or every so
 many seconds) may call for a checkpoint. Training waits only for the snapshot's copy to the
-CPU; the `CheckpointWriter` uploads it in the background, one checkpoint at a time. A timed
+CPU; the `CheckpointWriter` uploads it in the background, one checkpoint at a time, and a store
+that stalls holds only the writer (a newer snapshot replaces one still waiting to upload). A timed
 checkpoint must be taken at the same step by every rank: each boundary all-reduce (`launch_flag`)
 carries whether a rank's timer ran out, and is read at a later boundary (`read_flag`), so the
 ranks agree without ever waiting on the check. `Snapshots` also holds what rank 0 adds to every
@@ -11,6 +12,7 @@ checkpoint: the train loop's files and metadata, and the directory it reported l
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,9 +59,10 @@ class Snapshots:
         self._latest_checkpoint = latest_checkpoint  # asks the controller
         self._files: dict[str, bytes] = {}
         self._metadata: dict[str, Any] = {}
-        # The latest directory rank 0 reported, which rank 0 writes into every checkpoint; None
-        # until this worker reported one or, as rank 0, took the latest checkpoint's.
-        self._reported_files: dict[str, bytes] | None = None
+        # The latest directory rank 0 reported, which rank 0 writes into every checkpoint (or what
+        # reads the latest checkpoint's, on the writer's thread); None until this worker reported
+        # one or, as rank 0, took a checkpoint.
+        self._reported_files: dict[str, bytes] | Callable[[], dict[str, bytes]] | None = None
         self._last_checkpoint = time.monotonic()
         self._flag: tuple[dist.Work, torch.Tensor] | None = None
 
@@ -125,12 +128,14 @@ class Snapshots:
         membership = self._membership
         rank = membership.rank
         if rank == 0 and self._reported_files is None:
-            # A new rank 0 (after a heal or a restart) carries the directory the old one reported.
+            # A new rank 0 (after a heal or a restart) carries the directory the old one reported,
+            # read from the store by the writer's thread, once.
             latest = self._latest_checkpoint()
-            self._reported_files = latest.read_reported() if latest is not None else {}
+            self._reported_files = functools.cache(latest.read_reported) if latest is not None else {}
         optimizer_shard = self._techniques.optimizer_shard()
         crash = self._faults.crash_checkpoint(rank, self._progress.step)
-        self.wait_for_writer()  # one upload at a time: back-pressure, reported as progress
+        # Never waits for the store: a snapshot taken while the last one uploads waits in the
+        # writer, replacing any older one still waiting (`CheckpointWriter`).
         self._writer.submit(snapshot, rank, membership.world_size, time.perf_counter() - started,
                             self._files, self._metadata, crash_midway=crash,
                             optimizer_shard=optimizer_shard, reported_files=self._reported_files,
@@ -139,7 +144,8 @@ class Snapshots:
         self._last_checkpoint = time.monotonic()
 
     def wait_for_writer(self) -> None:
-        """Wait for the previous checkpoint's upload; the hang check counts this as progress."""
+        """Wait for the uploads still under way (at the end of the run); the hang check counts
+        this as progress."""
         if self._writer is None:
             return
         with self._probe.waiting_on_checkpoint():
