@@ -177,10 +177,13 @@ class Controller:
         self.protocol.note_step(self.progress.latest_step)  # committed, though its report may never come
         self.journal.emit("fault_injected", worker_id=worker_id, fault=fault, step=step, attempt=self.spec.attempt,
                           **({"note": note} if note else {}))
+        if not fault.startswith("controller-kill:"):
+            self.journal.flush_soon()
+            return
+        # The restarted controller reads from the journal which faults fired: it must hold them.
         await asyncio.to_thread(self.journal.flush)
-        if fault.startswith("controller-kill:"):
-            # Die after this call has answered, like a crash: no cleanup. Ray restarts the actor.
-            asyncio.get_running_loop().call_later(0.05, os._exit, 1)
+        # Die after this call has answered, like a crash: no cleanup. Ray restarts the actor.
+        asyncio.get_running_loop().call_later(0.05, os._exit, 1)
 
     async def shard_written(self, worker_id: int, report: dict[str, Any]) -> None:
         """A rank finished (or failed) writing its shard; the last one completes the checkpoint."""

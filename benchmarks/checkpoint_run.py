@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.checkpoint_run                        # 3 rounds, about 5 minutes
     .venv/bin/python -m benchmarks.checkpoint_run --quick                # 1 round, under 2 minutes
     .venv/bin/python -m benchmarks.checkpoint_run --quick --out /tmp/ckpt.json
+    .venv/bin/python -m benchmarks.checkpoint_run --store-stall          # a frozen store, about 2 minutes a round
 
 Run it from the repository root. Two CPU workers train an MLP 1024 -> 4096 (x5) -> 10 with
 SGD with momentum through ElasticTrainer (min_workers = max_workers = 2), one torch thread
@@ -29,6 +30,17 @@ median over rounds under its key and min, median, max and a `disagree` flag (rou
 10% apart) under `spread.<key>`. The keys are merged into benchmarks/results/bench.json, or
 --out, keeping the others; `produced_by` records this command, its date and commit.
 Checkpoints go to a temporary folder; TMPDIR chooses the disk.
+
+`--store-stall` measures instead what a store that stops answering costs the step: two workers
+train a float64 MLP (16 -> 32 -> 1, Tanh) with a sleep of STALL_SLEEP_S after each step, a
+checkpoint every STALL_EVERY steps, on a real S3-compatible server in a process of its own
+(`elastic.s3_server.S3Server`, moto) reached with request_timeout=STALL_REQUEST_TIMEOUT_S. Once
+step STALL_FREEZE_AT committed, the server is frozen (SIGSTOP) for STALL_FREEZE_S, then thawed.
+`store_stall_60s_longest_gap_steps` is the longest gap between two steps rank 0 committed from
+the freeze to STALL_AFTER_S after the thaw, in median steps of the STALL_FREEZE_AT steps before
+the freeze (the goal: at most 2 plus one snapshot copy). Beside it, the steps committed while
+frozen over the steps the pace before the freeze would have committed, and whether the run's
+newest checkpoint after the thaw verifies.
 """
 
 from __future__ import annotations
@@ -116,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.result, "w") as f:
             json.dump(result, f)
         return 0
+    if args.store_stall:
+        return _store_stall(args, argv)
     plan = QUICK if args.quick else FULL
     if args.rounds is not None:
         plan = dataclasses.replace(plan, rounds=args.rounds)
@@ -163,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one round of 3 checkpoints; about 2 minutes")
+    parser.add_argument("--store-stall", action="store_true",
+                        help="measure a store frozen for 60 s instead (1 round unless --rounds)")
     parser.add_argument("--out", default=DEFAULT_OUT, help="JSON to merge the figures into (default: %(default)s)")
     parser.add_argument("--rounds", type=int, help="rounds (overrides the preset)")
     # Internal: the parent re-runs this module with these to train one round in a fresh process.
@@ -419,3 +435,135 @@ def _print_table(report: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --- a store that stops answering -----------------------------------------------------------
+STALL_FREEZE_S = 60.0
+STALL_FREEZE_AT = 40
+STALL_SLEEP_S = 0.05
+STALL_EVERY = 10
+STALL_REQUEST_TIMEOUT_S = 5.0
+STALL_AFTER_S = 10.0  # how long after the thaw the gaps still count: the writes that failed end then
+STALL_SAMPLES = 256
+
+STALL_DEFINITIONS = {
+    "store_stall_60s_longest_gap_steps": "the longest gap between two steps rank 0 committed, from the freeze of the "
+                                         "checkpoint store to STALL_AFTER_S after its thaw, over the median gap of "
+                                         "the STALL_FREEZE_AT steps before the freeze",
+    "store_stall_60s.steps_while_frozen_ratio": "steps committed while the store was frozen / the steps the pace "
+                                                "before the freeze would have committed in that time",
+    "store_stall_60s.median_step_s": "the median gap between two committed steps before the freeze",
+    "store_stall_60s.newest_checkpoint_verifies": "1 if the run's newest checkpoint, written after the thaw, "
+                                                  "verifies (every listed file present, sized and hashed right)",
+}
+
+
+def _stall_loop(config: dict[str, Any]) -> None:
+    ctx = elastic.get_context()
+    torch.manual_seed(SEED)
+    module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double()
+    model = ctx.prepare_model(module)
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(module.parameters(), lr=0.01))
+    generator = torch.Generator().manual_seed(SEED)
+    x = torch.randn(STALL_SAMPLES, 16, generator=generator, dtype=torch.float64)
+    dataset = TensorDataset(x, torch.tanh(x[:, :4].sum(1, keepdim=True)))
+    for step in ctx.steps(dataset):
+        with step:
+            for mb in step.micro_batches():
+                mb.backward(F.mse_loss(model(mb.data[0]), mb.data[1]))
+            optimizer.step()
+            optimizer.zero_grad()
+        if ctx.rank == 0:
+            with open(config["step_log"], "a") as log:
+                log.write(f"{step.index} {time.time()}\n")
+        time.sleep(STALL_SLEEP_S)
+
+
+def _store_stall_round(freeze_s: float, folder: str) -> dict[str, Any]:
+    import threading
+
+    import ray
+
+    from elastic.checkpoint.checkpoint import checkpoint_storage, verify
+    from elastic.checkpoint.storage import RunStorage
+    from elastic.s3_server import S3Server
+
+    log = os.path.join(folder, "steps.log")
+    window: dict[str, float] = {}
+    max_steps = STALL_FREEZE_AT + int((freeze_s + 2 * STALL_AFTER_S) / STALL_SLEEP_S)
+    with S3Server() as server:
+        fs = server.filesystem(connect_timeout=1, request_timeout=STALL_REQUEST_TIMEOUT_S)
+        server.filesystem(allow_bucket_creation=True).create_dir("bucket")
+
+        def committed() -> list[tuple[int, float]]:
+            if not os.path.exists(log):
+                return []
+            with open(log) as f:
+                return [(int(a), float(b)) for a, b in (line.split() for line in f.read().splitlines())]
+
+        def freeze() -> None:
+            while len(committed()) < STALL_FREEZE_AT:
+                time.sleep(0.01)
+            server.freeze()
+            window["frozen"] = time.time()
+            time.sleep(freeze_s)
+            window["thawed"] = time.time()
+            server.thaw()
+
+        freezer = threading.Thread(target=freeze, daemon=True)
+        freezer.start()
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+        ray.init(address="local", num_cpus=WORLD_SIZE, include_dashboard=False, log_to_driver=False)
+        try:
+            result = elastic.ElasticTrainer(
+                _stall_loop, train_loop_config={"step_log": log},
+                scaling_config=elastic.ScalingConfig(num_workers=WORLD_SIZE),
+                run_config=elastic.RunConfig(name="store-stall", storage_path="bucket/runs", storage_filesystem=fs,
+                                             checkpoint_config=elastic.CheckpointConfig(every_steps=STALL_EVERY)),
+                data_config=elastic.DataConfig(global_batch_size=32, micro_batch_size=16, max_steps=max_steps),
+                show_progress=False,
+            ).fit()
+        finally:
+            ray.shutdown()
+        freezer.join()
+        stamps = committed()
+        before = [t for s, t in stamps if s < STALL_FREEZE_AT]
+        median_step = statistics.median(b - a for a, b in zip(before, before[1:]))
+        counted = [t for _, t in stamps if window["frozen"] <= t <= window["thawed"] + STALL_AFTER_S]
+        edges = [max(t for _, t in stamps if t < window["frozen"]), *counted]
+        longest = max(b - a for a, b in zip(edges, edges[1:]))
+        while_frozen = sum(window["frozen"] < t < window["thawed"] for _, t in stamps)
+        newest = result.checkpoint
+        verified = newest is not None and newest.step > max(s for s, t in stamps if t < window["thawed"])
+        if verified:
+            verify(checkpoint_storage(RunStorage("bucket/runs", "store-stall", fs), newest.step))
+        return {"figures": {
+            "store_stall_60s_longest_gap_steps": longest / median_step,
+            "store_stall_60s.steps_while_frozen_ratio": while_frozen / (freeze_s / median_step),
+            "store_stall_60s.median_step_s": median_step,
+            "store_stall_60s.newest_checkpoint_verifies": float(verified),
+        }, "skipped": len(result.events_of("checkpoint_skipped")), "saved": len(result.events_of("checkpoint_saved"))}
+
+
+def _store_stall(args: argparse.Namespace, argv: list[str] | None) -> int:
+    started = time.time()
+    rounds = []
+    for index in range(args.rounds or 1):
+        folder = tempfile.mkdtemp(prefix="store-stall-")
+        print(f"[store stall] round {index} ...", flush=True)
+        try:
+            rounds.append(_store_stall_round(STALL_FREEZE_S, folder))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    figures = {key: [r["figures"][key] for r in rounds] for key in STALL_DEFINITIONS}
+    details = {"store_stall_60s": {
+        "freeze_s": STALL_FREEZE_S, "freeze_at_step": STALL_FREEZE_AT, "sleep_s": STALL_SLEEP_S,
+        "every_steps": STALL_EVERY, "request_timeout_s": STALL_REQUEST_TIMEOUT_S, "after_s": STALL_AFTER_S,
+        "world_size": WORLD_SIZE, "store": "moto_server in its own process, frozen with SIGSTOP",
+        "rounds": rounds,
+    }}
+    merge_figures(args.out, figures, details, STALL_DEFINITIONS, _command(argv), time.time() - started)
+    for key, values in figures.items():
+        print(f"{key:48s} {statistics.median(values):.3g}  ({', '.join(f'{v:.3g}' for v in values)})")
+    print(f"\nwrote {args.out}")
+    return 0

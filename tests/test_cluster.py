@@ -56,7 +56,11 @@ def _wait_for(name, predicate, what, fit, storage_path):
     events = read_events(RunStorage(str(storage_path), name))
     lost = [(e["worker_id"], e["kind"], e["cause"]) for e in events if e["type"] == "worker_failed"]
     ended = [e for e in events if e["type"] in ("run_finished", "run_failed")]
-    raise AssertionError(f"run ended before {what}: {ended}; workers lost: {lost}") from fit.exception()
+    # The protocol's path to the end: what it decided, and the states it went through.
+    path = [(e["type"], e.get("state") or e.get("action"), e.get("reason", "")) for e in events
+            if e["type"] in ("state", "decision", "generation_formed", "recovery")]
+    raise AssertionError(f"run ended before {what}: {ended}; workers lost: {lost}; protocol: {path}") \
+        from fit.exception()
 
 
 def _open_when_started(gate, storage_path, name, workers, fit):
