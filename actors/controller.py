@@ -87,6 +87,7 @@ class Controller:
         self.kill_when_created: set[int] = set()  # workers killed before their actor existed
         self.start_error: BaseException | None = None
         self.refused: set[tuple[int, str]] = set()  # (worker, kind) already journaled as fenced
+        self.warned: set[str] = set()  # kinds of `warning` journaled
         self.placement_groups: dict[int, PlacementGroup] = {}  # by replica, in a run of replicas
         self.avoided: set[str] = set()
         self.metrics = RunMetrics(spec.run.name)
@@ -167,6 +168,12 @@ class Controller:
             return
         self.progress.ingest(worker_id, items)
         self.protocol.note_step(self.progress.reported_step)
+
+    async def warn(self, worker_id: int, kind: str, message: str) -> None:
+        """A worker saw the train loop misuse the API (`TrainContext`): journaled once per kind; the driver warns."""
+        if kind not in self.warned:
+            self.warned.add(kind)
+            self.journal.emit("warning", worker_id=worker_id, kind=kind, message=message)
 
     async def latest_checkpoint_of_run(self) -> Checkpoint | None:
         """The newest complete checkpoint: the one a restart resumes from (elastic.get_checkpoint)."""

@@ -44,6 +44,11 @@ PEER_FAILURE_OUTSIDE_STEP = (
 )
 
 
+NO_STEPS = ("the train loop returned without iterating ctx.steps(dataset), where elastic forms the workers' "
+            "group, syncs and checkpoints: each worker ran it alone, and nothing it trained counts. Write "
+            "`for step in ctx.steps(dataset):` and train each step inside `with step:` (docs/habits.md)")
+
+
 @ray.remote(concurrency_groups={"train": 1, "control": 4})
 class Worker:
     def __init__(
@@ -77,6 +82,7 @@ class Worker:
             data_config, self.mailbox, faults, self._reports.add, use_gpu, checkpoint_config, writer,
             on_fault=self._on_fault, strategy=strategy, shape=shape, slot=slot,
             latest_checkpoint=lambda: ray.get(controller.latest_checkpoint_of_run.remote()),
+            warn=lambda kind, message: controller.warn.remote(worker_id, kind, message),
         )
         self.binds = ""  # set when the run starts (elastic.comm.binding)
         self.address = ""  # this node's, which its peers' connections see
@@ -93,6 +99,8 @@ class Worker:
             self.binds = bind_collectives_to(self.address)
             takes_config = len(inspect.signature(train_loop).parameters) > 0
             value = train_loop(config) if takes_config else train_loop()
+            if not self.ctx.entered_steps:
+                return {"outcome": "app_error", "rank": self.ctx.rank, "traceback": "", "error": NO_STEPS}
             return {"outcome": "finished", "step": self.ctx.step, "value": _picklable(value),
                     "model": self.ctx.final_model}
         except WorkerEvictedError as exc:

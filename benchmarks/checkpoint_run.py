@@ -433,9 +433,6 @@ def _print_table(report: dict[str, Any]) -> None:
         print(f"rounds {outlasted}: a shard write outlasted the {QUIET_S} s pause and overlapped training")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 # --- a store that stops answering -----------------------------------------------------------
 STALL_FREEZE_S = 60.0
@@ -567,3 +564,7 @@ def _store_stall(args: argparse.Namespace, argv: list[str] | None) -> int:
         print(f"{key:48s} {statistics.median(values):.3g}  ({', '.join(f'{v:.3g}' for v in values)})")
     print(f"\nwrote {args.out}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -71,7 +71,7 @@ class ElasticTrainer:
         *,
         scaling_config: ScalingConfig,
         run_config: RunConfig,
-        data_config: DataConfig,
+        data_config: DataConfig | None = None,
         train_loop_config: dict[str, Any] | None = None,
         strategy: Strategy | None = None,
         faults: list[Fault] | None = None,
@@ -79,6 +79,11 @@ class ElasticTrainer:
         address: str | None = None,
         show_progress: bool = True,
     ) -> None:
+        if data_config is None:
+            raise ElasticError(
+                "ElasticTrainer needs data_config=DataConfig(global_batch_size=..., micro_batch_size=..., max_steps=...): "
+                "elastic counts the run in global steps of a fixed global batch, whatever the world size, and serves "
+                "each rank its share of every step from ctx.steps(dataset) (docs/habits.md ports a Ray Train loop)")
         check_fits(scaling_config, data_config)
         self.faults = list(faults or [])
         check_faults(self.faults, data_config.max_steps, scaling_config.max_workers)
@@ -155,6 +160,8 @@ class ElasticTrainer:
         events = outcome["events"]
         if outcome["journal_error"]:
             warnings.warn(f"{outcome['journal_error']}; Result.events holds them", stacklevel=2)
+        for warning in (e for e in events if e["type"] == "warning"):
+            warnings.warn(f"worker {warning['worker_id']}: {warning['message']}", stacklevel=2)
         if not outcome["finished"]:
             failure = outcome["failure"]
             if failure.get("kind") == "capacity":

@@ -115,6 +115,33 @@ def peer_dies_in_unguarded_collective_loop(config: dict) -> None:
         ctx.collectives.all_reduce(torch.ones(1))  # an evaluation's collective, unguarded
 
 
+def ray_train_shaped_loop(config: dict) -> None:
+    """Issue 43's loop: Ray Train's shape with elastic's imports, never entering ctx.steps()."""
+    ctx = elastic.get_context()
+    model = ctx.prepare_model(torch.nn.Linear(16, 1).double())
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    for x, y in torch.utils.data.DataLoader(regression_data(), batch_size=16):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    elastic.report({"loss": loss.item()})
+
+
+def trains_another_module_and_reports_after_the_loop(config: dict) -> None:
+    ctx = elastic.get_context()
+    ctx.prepare_model(build_mlp())
+    mine = build_mlp()  # trained instead of the prepared model: nothing of it is synced
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(mine.parameters(), lr=0.05))
+    for step in ctx.steps(regression_data()):
+        with step:
+            for mb in step.micro_batches():
+                mb.backward(torch.nn.functional.mse_loss(mine(mb.data[0]), mb.data[1]))
+            optimizer.step()
+            optimizer.zero_grad()
+    elastic.report({"done": 1.0})
+
+
 def trainer(tmp_path, name, scaling, max_steps=8, loop=habits_loop, **loop_config) -> ElasticTrainer:
     return ElasticTrainer(
         loop, train_loop_config=loop_config, scaling_config=scaling,
@@ -281,3 +308,31 @@ def test_an_lr_scheduler_wraps_the_fp16_prepared_optimizer_and_steps_it():
     optimizer.step()
     scheduler.step()
     assert not torch.equal(before, model.weight) and optimizer.param_groups[0]["lr"] == 0.05
+
+
+# --- nothing silent: a loop of the wrong shape fails or warns, saying what to write -----------
+
+def test_a_ray_train_shaped_loop_that_never_enters_ctx_steps_fails_the_run_saying_what_to_write(local_ray, tmp_path):
+    with pytest.raises(TrainingFailedError, match=r"returned without iterating ctx.steps\(dataset\).*Write "
+                       r"`for step in ctx.steps\(dataset\):`"):
+        trainer(tmp_path, "ray-train-shaped", ScalingConfig(num_workers=2), loop=ray_train_shaped_loop).fit()
+
+
+def test_a_prepared_model_never_called_in_a_step_and_a_report_after_the_loop_are_warned_in_the_journal_and_on_the_driver(
+        local_ray, tmp_path):
+    with pytest.warns(UserWarning) as warned:
+        result = trainer(tmp_path, "never-trained", ScalingConfig(num_workers=2), max_steps=2,
+                         loop=trains_another_module_and_reports_after_the_loop).fit()
+    kinds = {e["kind"]: e["message"] for e in result.events_of("warning")}
+    assert set(kinds) == {"model_never_trained", "report_outside_step"}, kinds
+    assert "Call the model prepare_model() returned" in kinds["model_never_trained"]
+    assert "after ctx.steps() ended" in kinds["report_outside_step"]
+    shown = " ".join(str(w.message) for w in warned)
+    assert all(message in shown for message in kinds.values())
+    assert "done" not in result.metrics
+
+
+def test_an_elastic_trainer_without_a_data_config_says_what_it_needs():
+    with pytest.raises(ElasticError, match=r"ElasticTrainer needs data_config=DataConfig\(global_batch_size=..."):
+        ElasticTrainer(ray_train_shaped_loop, scaling_config=ScalingConfig(num_workers=2),
+                       run_config=RunConfig(name="x", storage_path="/tmp"))

@@ -567,6 +567,13 @@ def test_the_run_finishes_when_every_member_ended_and_returns_rank_0s_value():
     assert group.state == "FINISHED" and group.protocol.rank0_outcome().value == "zero"
 
 
+def test_a_worker_that_finishes_before_any_generation_was_offered_fails_the_run_instead_of_finishing_it():
+    group = FakeWorkerGroup(min_workers=2, max_workers=2)
+    group.finish(0, value="trained alone")
+    assert group.state == "FAILED" and not group.offers
+    assert "before any generation was offered" in group.protocol.state.error
+
+
 def test_a_finishing_run_aborts_a_pending_grow():
     group = _grown_to_prepare(FakeWorkerGroup(min_workers=1, max_workers=3))
     group.answer_prepare({0: 40, 1: 40})

@@ -154,6 +154,12 @@ class Protocol:
         if record.status == Status.GONE:
             return []
         rank = self._rank(obs.worker_id)
+        if obs.exit == Exit.FINISHED and self.generation < 0:
+            # Nothing was ever offered: the loop trained alone, if at all. Never a success.
+            self._move(record, Status.GONE)
+            message = (f"worker {obs.worker_id} finished its train loop before any generation was offered: the loop "
+                       "never waited in ctx.steps(dataset) for its peers, so nothing was trained together")
+            return self._enter(Failed(message, "app_error"), "finished without a generation")
         if obs.exit == Exit.FINISHED:
             self._move(record, Status.GONE)
             self.outcomes[obs.worker_id] = obs

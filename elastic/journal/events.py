@@ -46,6 +46,7 @@ EVENT_TYPES = (
     "checkpoint_skipped",
     "fenced",
     "metrics",
+    "warning",
 )
 # Events a watcher must see as they happen, not after the heal they start: a flush follows
 # them at once. The rest (metrics above all) wait for the next periodic flush.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -101,8 +102,10 @@ class TrainContext(ReplicaCoordinates):
         latest_checkpoint: Callable[[], Checkpoint | None] = lambda: None,
         shape: ReplicaShape = ReplicaShape(),
         slot: int = 0,
+        warn: Callable[[str, str], None] = lambda kind, message: warnings.warn(message, stacklevel=3),
     ) -> None:
         self.data_config = data_config
+        self._warn = warn  # (kind, message): the journal and the driver show it, once per kind
         self.checkpoint_config = checkpoint_config
         self._latest_checkpoint = latest_checkpoint  # asks the controller
         self.mailbox = mailbox
@@ -120,6 +123,9 @@ class TrainContext(ReplicaCoordinates):
         self._prepared = prepare(self._place, self.techniques, None, self._objects)
         self._progress = Progress(seed=data_config.seed)
         self._inside_step = False  # between a step's __enter__ and __exit__
+        self.entered_steps = False  # whether the train loop iterated steps()
+        # Whether the data-parallel model prepare_model returned was called inside a step (None: no such model).
+        self.model_called: bool | None = None
         self._collectives: Collectives | None = None  # the train loop's, for the current generation
         self.probe = HangProbe(self.techniques, lambda: self._prepared.compute_frames)
         self.membership = Membership(mailbox, self.faults, self.techniques, self._objects, self._random,
@@ -167,7 +173,18 @@ class TrainContext(ReplicaCoordinates):
         if self._prepared.returned is not None:
             raise ElasticError("prepare_model() was called twice; elastic syncs one model per run")
         self._prepared = prepare(self._place, self.techniques, model, self._objects, loss_fn, **options)
-        return self._prepared.returned
+        returned = self._prepared.returned
+        if isinstance(returned, torch.nn.Module):  # the data-parallel kinds, which the loop calls itself
+            self.model_called = False
+            hook = None
+
+            def called_in_a_step(*_: Any) -> None:
+                if self.stepping.current is not None:
+                    self.model_called = True
+                    hook.remove()  # known now: no cost in later steps
+
+            hook = returned.register_forward_pre_hook(called_in_a_step)
+        return returned
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register `optimizer` for healing; its `step()` commits the current global step.
@@ -253,7 +270,14 @@ class TrainContext(ReplicaCoordinates):
 
     def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
         if checkpoint is not None:
-            self.snapshots.report(checkpoint, self.rank)
+            self.snapshots.report(checkpoint, self.rank)  # refused before the first step
+        if self.stepping.current is None:
+            where = "after ctx.steps() ended" if self.entered_steps else "before ctx.steps() began"
+            self._warn("report_outside_step",
+                       f"elastic.report({sorted(metrics)}) was called on rank {self.rank} {where}: its metrics belong "
+                       "to no step and were dropped. Report inside the `for step in ctx.steps(...)` loop, after "
+                       "`with step:` (Result.metrics then holds the last step's).")
+            return
         self._report_sink(
             {"kind": "metrics", "step": self.step, "rank": self.rank, "time": time.time(), "metrics": metrics}
         )
@@ -266,6 +290,7 @@ class TrainContext(ReplicaCoordinates):
     def steps(self, dataset: Any) -> Iterator[Step]:
         """Yield each remaining global step of the run, healing and rescaling in between."""
         loader = self.batching.open(dataset, self._objects)
+        self.entered_steps = True
         self.probe.train_thread = threading.get_ident()
         self._join(reason="start")
         max_steps = self.data_config.max_steps
@@ -305,6 +330,11 @@ class TrainContext(ReplicaCoordinates):
         self._keep_final_model()
         loader.close()
         self.snapshots.wait_for_writer()
+        if self.model_called is False:
+            self._warn("model_never_trained",
+                       f"the model prepare_model() returned was never called inside a step on rank {self.rank}: "
+                       "its parameters were not trained, and what was trained is not synced nor checkpointed. "
+                       "Call the model prepare_model() returned (not the module you passed it) inside `with step:`.")
 
     def _keep_final_model(self) -> None:
         """Once the last step committed, rank 0 keeps the whole model (`Result.model_state_dict()`)."""
