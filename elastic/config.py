@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import pyarrow.fs as pafs
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 
 class _Frozen(BaseModel):
@@ -24,12 +24,13 @@ class ScalingConfig(_Frozen):
     """How many workers to run, and what each one needs from the cluster.
 
     `ScalingConfig(num_workers=N)`, as in Ray Train and torchrun, is a fixed-size run:
-    min_workers = max_workers = N.
+    min_workers = max_workers = N; `ScalingConfig(num_workers=(2, 4))`, Ray Train V2's elastic
+    range, is min_workers=2, max_workers=4.
     """
 
-    num_workers: int | None = Field(
-        None, gt=0, description="Ray Train's and torchrun's fixed world size: sets min_workers and max_workers "
-        "to this; give min_workers and max_workers instead for a run that shrinks and grows."
+    num_workers: PositiveInt | tuple[PositiveInt, PositiveInt] | None = Field(
+        None, description="Ray Train's and torchrun's fixed world size: sets min_workers and max_workers to this; "
+        "(min, max), as Ray Train V2 spells an elastic range, sets min_workers and max_workers to those."
     )
     min_workers: int = Field(1, gt=0, description="Fewest workers training may continue with.")
     max_workers: int = Field(1, gt=0, description="Most workers the run grows to when capacity exists.")
@@ -63,16 +64,23 @@ class ScalingConfig(_Frozen):
     def _fixed_size(cls, values: Any) -> Any:
         if not isinstance(values, dict) or values.get("num_workers") is None:
             return values
-        fixed = values["num_workers"]
+        given = values["num_workers"]
+        if isinstance(given, (tuple, list)) and len(given) == 2:
+            bounds = dict(zip(("min_workers", "max_workers"), given))
+            says = f"num_workers({tuple(given)}) is the range min_workers={given[0]}, max_workers={given[1]}"
+        elif isinstance(given, (tuple, list)):
+            return values  # the field's validator says what a range must be
+        else:
+            bounds = {"min_workers": given, "max_workers": given}
+            says = f"num_workers({given}) fixes the world size at {given}"
         # Compared as given: a bad number (0, "x") is the field validators' to report.
-        other = {k: values[k] for k in ("min_workers", "max_workers") if k in values and values[k] != fixed}
+        other = {k: values[k] for k in bounds if k in values and values[k] != bounds[k]}
         if other:
-            given = ", ".join(f"{k}({v})" for k, v in other.items())
+            differs = ", ".join(f"{k}({v})" for k, v in other.items())
             raise ValueError(
-                f"num_workers({fixed}) fixes the world size at {fixed}, but {given} differs; give num_workers "
-                f"alone for a fixed-size run, or min_workers and max_workers without num_workers for an elastic one"
-            )
-        return {**values, "min_workers": fixed, "max_workers": fixed}
+                f"{says}, but {differs} differs; give num_workers alone for a fixed-size run (or a (min, max) "
+                "range), or min_workers and max_workers without num_workers for an elastic one")
+        return {**values, **bounds}
 
     @model_validator(mode="wrap")
     @classmethod

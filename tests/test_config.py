@@ -42,9 +42,20 @@ def test_num_workers_fixes_min_and_max_workers_as_ray_train_and_torchrun_do():
                                           ({"min_workers": 2, "max_workers": 4}, r"min_workers\(2\)")])
 def test_num_workers_with_a_different_min_or_max_is_rejected_with_the_numbers_and_the_fix(given, named):
     with pytest.raises(ValidationError, match=rf"num_workers\(4\) fixes the world size at 4, but {named} differs; "
-                       "give num_workers alone for a fixed-size run, or min_workers and max_workers without "
-                       "num_workers for an elastic one"):
+                       r"give num_workers alone for a fixed-size run \(or a \(min, max\) range\), or min_workers and "
+                       "max_workers without num_workers for an elastic one"):
         ScalingConfig(num_workers=4, **given)
+
+
+def test_num_workers_as_a_min_max_pair_is_ray_train_v2s_elastic_range():
+    config = ScalingConfig(num_workers=(2, 4))
+    assert (config.min_workers, config.max_workers) == (2, 4)
+    assert ScalingConfig(num_workers=(2, 4), min_workers=2) == config
+    with pytest.raises(ValidationError, match=r"num_workers\(\(2, 4\)\) is the range min_workers=2, max_workers=4, "
+                       r"but max_workers\(3\) differs"):
+        ScalingConfig(num_workers=(2, 4), max_workers=3)
+    with pytest.raises(ValidationError, match=r"min_workers\(4\) > max_workers\(2\)"):
+        ScalingConfig(num_workers=(4, 2))
 
 
 def test_configs_are_frozen():
