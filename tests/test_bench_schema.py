@@ -122,6 +122,7 @@ QUOTED_KEYS = {
         "partial_partition_detect_s",
         "hook_cost_ratio_2_ranks",
         "abortable_hook_cost_ratio_2_ranks",
+        "store_stall_60s_longest_gap_steps",
         "network.1gbit.ddp.floor_fraction",
         "network.1gbit.bf16.samples_s_ratio_vs_ddp",
         "network.1gbit.powersgd_r4.samples_s_ratio_vs_ddp",
