@@ -44,9 +44,10 @@ PEER_FAILURE_OUTSIDE_STEP = (
 )
 
 
-NO_STEPS = ("the train loop returned without iterating ctx.steps(dataset), where elastic forms the workers' "
-            "group, syncs and checkpoints: each worker ran it alone, and nothing it trained counts. Write "
-            "`for step in ctx.steps(dataset):` and train each step inside `with step:` (docs/habits.md)")
+NO_STEPS = ("the train loop returned without iterating ctx.steps(dataset) or a prepared data loader, where "
+            "elastic forms the workers' group, syncs and checkpoints: each worker ran it alone, and nothing it "
+            "trained counts. Write `for step in ctx.steps(dataset):` and train each step inside `with step:`, or "
+            "iterate `elastic.prepare_data_loader(loader)` as in Ray Train (docs/habits.md)")
 
 
 @ray.remote(concurrency_groups={"train": 1, "control": 4})

@@ -15,7 +15,8 @@ from elastic.errors import (
     UnweightedBackwardError,
 )
 from elastic.faults import Fault, parse_fault
-from elastic.worker.context import TrainContext, get_checkpoint, get_context, report
+from elastic.worker.context import (TrainContext, get_checkpoint, get_context, prepare_data_loader, prepare_model,
+                                    prepare_optimizer, report)
 from elastic.worker.step import MicroBatch, Step
 
 __all__ = [
@@ -41,6 +42,9 @@ __all__ = [
     "get_checkpoint",
     "get_context",
     "parse_fault",
+    "prepare_data_loader",
+    "prepare_model",
+    "prepare_optimizer",
     "report",
 ]
 

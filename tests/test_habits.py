@@ -336,3 +336,53 @@ def test_an_elastic_trainer_without_a_data_config_says_what_it_needs():
     with pytest.raises(ElasticError, match=r"ElasticTrainer needs data_config=DataConfig\(global_batch_size=..."):
         ElasticTrainer(ray_train_shaped_loop, scaling_config=ScalingConfig(num_workers=2),
                        run_config=RunConfig(name="x", storage_path="/tmp"))
+
+
+# --- Ray Train's loop shape, by changing the imports only ---------------------------------------
+
+def ray_train_loop(config: dict) -> dict:
+    """A Ray Train V2 loop: prepared model, optimizer and DataLoader, `loss.backward()`,
+    `optimizer.step()`, epochs with `set_epoch`, a report after each epoch."""
+    model = elastic.prepare_model(build_mlp())
+    optimizer = elastic.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    loader = elastic.prepare_data_loader(torch.utils.data.DataLoader(regression_data(), batch_size=32, shuffle=True))
+    ctx = elastic.get_context()
+    batches, world_sizes = 0, set()
+    for epoch in range(config["epochs"]):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            batches += 1
+            world_sizes.add(ctx.get_world_size())
+        elastic.report({"loss": loss.item(), "epoch": epoch})
+    return {"params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+            "batches": batches, "world_sizes": sorted(world_sizes)}
+
+
+def _ray_train_shaped(tmp_path, name, faults=()):
+    # 63 samples a step: shares of 32 and 31 at 2 workers, so the shares' weights matter.
+    return ElasticTrainer(
+        ray_train_loop, train_loop_config={"epochs": 2},
+        scaling_config=ScalingConfig(min_workers=1, max_workers=2),
+        run_config=RunConfig(name=name, storage_path=str(tmp_path)),
+        data_config=DataConfig(global_batch_size=63, micro_batch_size=63, max_steps=18, seed=3),
+        faults=list(faults), show_progress=False,
+    )
+
+
+def test_a_ray_train_loop_heals_a_death_inside_its_backward_in_place_and_ends_equal_to_the_fault_free_run(
+        local_ray, tmp_path):
+    clean = _ray_train_shaped(tmp_path, "ray-train-clean").fit()
+    healed = _ray_train_shaped(tmp_path, "ray-train-healed",
+                               [elastic.Fault(kind="kill", rank=1, step=4, where="allreduce")]).fit()
+    assert clean.step == healed.step == 18
+    formed = [e["kind"] for e in healed.events_of("generation_formed")]
+    assert "heal" in formed and not healed.events_of("run_resumed"), formed  # in place, not from a checkpoint
+    assert 1 in healed.value["world_sizes"], "the run never trained at the healed world size"
+    assert not healed.events_of("warning")
+    for name, value in clean.value["params"].items():
+        torch.testing.assert_close(healed.value["params"][name], value, rtol=1e-9, atol=1e-12)
+    assert healed.metrics["epoch"] == 1

@@ -23,6 +23,7 @@ moves only then.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import warnings
@@ -44,6 +45,7 @@ from elastic.parallel.replicas import ReplicaCoordinates, ReplicaShape
 from elastic.techniques.strategy import Techniques
 from elastic.worker.batching import MicroBatching
 from elastic.worker.injection import FaultInjector
+from elastic.worker.loader_steps import LoaderSteps
 from elastic.worker.mailbox import GenerationMailbox
 from elastic.worker.membership import Membership, Progress
 from elastic.worker.model_kinds import prepare
@@ -77,6 +79,21 @@ def get_checkpoint() -> Checkpoint | None:
     """The run's latest complete checkpoint if it holds a directory rank 0 reported, else None
     (as on a fresh run); read its files with `as_directory()` or `to_directory()`."""
     return get_context().get_checkpoint()
+
+
+def prepare_model(model: torch.nn.Module, **options: Any) -> Any:
+    """`get_context().prepare_model`, spelled as Ray Train's `ray.train.torch.prepare_model`."""
+    return get_context().prepare_model(model, **options)
+
+
+def prepare_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """`get_context().prepare_optimizer`: its `step()` commits the step."""
+    return get_context().prepare_optimizer(optimizer)
+
+
+def prepare_data_loader(loader: torch.utils.data.DataLoader) -> LoaderSteps:
+    """`get_context().prepare_data_loader`, spelled as Ray Train's `ray.train.torch.prepare_data_loader`."""
+    return get_context().prepare_data_loader(loader)
 
 
 class TrainContext(ReplicaCoordinates):
@@ -126,6 +143,7 @@ class TrainContext(ReplicaCoordinates):
         self.entered_steps = False  # whether the train loop iterated steps()
         # Whether the data-parallel model prepare_model returned was called inside a step (None: no such model).
         self.model_called: bool | None = None
+        self.loader_steps: LoaderSteps | None = None  # Ray Train's loop shape (`prepare_data_loader`)
         self._collectives: Collectives | None = None  # the train loop's, for the current generation
         self.probe = HangProbe(self.techniques, lambda: self._prepared.compute_frames)
         self.membership = Membership(mailbox, self.faults, self.techniques, self._objects, self._random,
@@ -148,6 +166,16 @@ class TrainContext(ReplicaCoordinates):
     rank: int = property(lambda self: self.membership.rank)
     world_size: int = property(lambda self: self.membership.world_size)
     local_rank: int = property(lambda self: self.membership.spec.local_rank if self.membership.spec else -1)
+
+    # Ray Train's names for the same (`ray.train.get_context()`).
+    def get_world_rank(self) -> int:
+        return self.rank
+
+    def get_world_size(self) -> int:
+        return self.world_size
+
+    def get_local_rank(self) -> int:
+        return self.local_rank
     generation: int = property(lambda self: self.membership.generation)
     step: int = property(lambda self: self._progress.step, doc="Optimizer steps committed so far in the run.")
     num_replicas: int = property(lambda self: self.membership.num_replicas, doc="Replicas in the current "
@@ -184,7 +212,55 @@ class TrainContext(ReplicaCoordinates):
                     hook.remove()  # known now: no cost in later steps
 
             hook = returned.register_forward_pre_hook(called_in_a_step)
+        if self.loader_steps is not None:
+            self._weigh_outputs(returned)
         return returned
+
+    def prepare_data_loader(self, loader: torch.utils.data.DataLoader) -> LoaderSteps:
+        """Ray Train's loop shape (`elastic.worker.loader_steps`): iterate what this returns once per
+        epoch; each batch is this rank's share of the next global step, which the prepared
+        optimizer's `step()` commits, and a peer's death inside the backward heals in place."""
+        if self.loader_steps is not None:
+            raise ElasticError("prepare_data_loader() was called twice; elastic serves one dataset per run")
+        techniques = self.techniques
+        kept = [name for name, used in (
+            ("compression", techniques.hooks_gradients), ("local SGD or stale synchrony", techniques.acts_between_steps),
+            ("ZeRO", self.strategy.zero > 0), ('precision="fp16"', techniques.precision.scaler is not None),
+            ("replicas of several workers", self.shape.size > 1)) if used]
+        if kept:
+            raise ElasticError(f"Ray Train's loop shape (prepare_data_loader) runs plain DDP, with bf16 at most; "
+                               f"this run uses {', '.join(kept)}: iterate ctx.steps(dataset) instead (docs/habits.md)")
+        dataset = getattr(loader, "dataset", loader)
+        self.batching.whole_shares()
+        self.loader_steps = LoaderSteps(lambda: self.steps(dataset), dataset, getattr(loader, "batch_size", None))
+        self.membership.backward_failed = self._backward_failed
+        if isinstance(self._prepared.returned, torch.nn.Module):
+            self._weigh_outputs(self._prepared.returned)
+        if self.stepping.optimizer is not None:
+            self._skip_failed_steps(self.stepping.optimizer)
+        return self.loader_steps
+
+    def _weigh_outputs(self, model: torch.nn.Module) -> None:
+        model.register_forward_hook(lambda module, args, output: self.loader_steps.weigh(output))
+
+    def _backward_failed(self, why: str) -> None:
+        step = self.stepping.current
+        if step is not None and step.failed is None:
+            step.failed = why
+
+    def _skip_failed_steps(self, optimizer: torch.optim.Optimizer) -> None:
+        """In Ray Train's loop shape the loop steps the optimizer after a failed backward too: that
+        step does nothing (its gradients are this rank's alone), and the next batch heals."""
+        stepped = optimizer.step
+
+        @functools.wraps(stepped)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            current = self.stepping.current
+            if current is not None and current.failed is not None:
+                return None
+            return stepped(*args, **kwargs)
+
+        optimizer.step = step
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register `optimizer` for healing; its `step()` commits the current global step.
@@ -200,6 +276,8 @@ class TrainContext(ReplicaCoordinates):
         self._prepared.prepare_optimizer(optimizer, self._objects, lambda: self.stepping.current)
         self.techniques.hook_optimizer(optimizer, lambda: (self.step, self.world_size), self.membership.launch_average)
         optimizer.register_step_post_hook(lambda *_: self.stepping.commit())
+        if self.loader_steps is not None:
+            self._skip_failed_steps(optimizer)
         return optimizer
 
     def autocast(self):
@@ -271,7 +349,8 @@ class TrainContext(ReplicaCoordinates):
     def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
         if checkpoint is not None:
             self.snapshots.report(checkpoint, self.rank)  # refused before the first step
-        if self.stepping.current is None:
+        if self.stepping.current is None and not (self.loader_steps is not None and self.entered_steps):
+            # (In Ray Train's loop shape a report after the last epoch is the last step's.)
             where = "after ctx.steps() ended" if self.entered_steps else "before ctx.steps() began"
             self._warn("report_outside_step",
                        f"elastic.report({sorted(metrics)}) was called on rank {self.rank} {where}: its metrics belong "

@@ -14,6 +14,7 @@ formed and let go of with the world group.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +97,9 @@ class Membership:
         self._holds_state = False  # synced in a generation before: holds the run's live state
         self._rolled_back = 0
         self.checkpoint: Checkpoint | None = None  # the checkpoint this rank restored at a restart
+        # Ray Train's loop shape (`elastic.worker.loader_steps`): a failed gradient all-reduce is
+        # told to this instead of raised into the loop's backward.
+        self.backward_failed: Callable[[str], None] | None = None
 
     @property
     def rank(self) -> int:
@@ -210,12 +214,13 @@ class Membership:
         self._probe.connected = spec.generation
         # Under the hierarchy a rank learns of a death on another node only through its node's leader.
         within_nodes = hierarchy[0] if hierarchy else None
-        abortable = spec.backend == "gloo" and (model.abortable or within_nodes is not None)
+        heals_in_backward = self.backward_failed is not None
+        abortable = spec.backend == "gloo" and (model.abortable or within_nodes is not None or heals_in_backward)
         gradients = GradientAllReduce(spec.generation, abortable,
                                       within_nodes.all_reduce if within_nodes is not None else None)
         self._group = GenerationGroup(spec.generation, spec.backend, dist.group.WORLD, links, gradients, within_nodes)
         generations.enter(self._group)
-        hooked = abortable or self._techniques.hooks_gradients
+        hooked = abortable or self._techniques.hooks_gradients or heals_in_backward
         generation = Generation(spec, self._average, self._agree, (self, _allreduce_hook) if hooked else None,
                                 self._inside_all_reduce)
         model.bind(generation)
@@ -319,7 +324,19 @@ def _allreduce_hook(membership, bucket):
     """
     techniques = membership._techniques
     future = techniques.codec.all_reduce(bucket, membership._group.gradients.all_reduce)
+    if membership.backward_failed is not None:
+        return future.then(functools.partial(_kept_failure, membership.backward_failed, bucket.buffer()))
     return future if techniques.overlap is None else techniques.overlap.after_reduce(future, bucket)
+
+
+def _kept_failure(told: Callable[[str], None], buffer: torch.Tensor, done: torch.futures.Future) -> torch.Tensor:
+    """The reduced bucket; or, where the all-reduce failed, the failure told to `told` and the
+    bucket as it is, so that the backward returns and the step, not the loop, sees the failure."""
+    try:
+        return done.value()
+    except Exception as exc:
+        told(f"{type(exc).__name__}: {exc}")
+        return buffer
 
 
 class _ConnectFailed(RuntimeError):

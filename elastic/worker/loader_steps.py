@@ -1,0 +1,126 @@
+"""Ray Train's loop shape: a prepared data loader whose every batch is one global step.
+
+    model = ctx.prepare_model(net)
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = ctx.prepare_data_loader(DataLoader(dataset, batch_size=16))
+    for epoch in range(epochs):
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()            # commits the step
+
+`LoaderSteps` runs `ctx.steps(dataset)` underneath: each batch it yields enters the next step,
+and the next batch (or the end of the epoch) ends it. A batch is this rank's whole share of the
+step's global batch (`DataConfig.global_batch_size`), served from the run's exactly-once cursor.
+
+The same math at any world size: the loop backpropagates its own mean loss over its share, and
+the shares differ by a sample where the world size does not divide the global batch. The
+gradient reaching the prepared model's output is scaled by the share's weight (its samples times
+the data-parallel peers over the step's samples, 1 for even shares), as `mb.backward` scales the
+loss, so the averaged gradient is the global batch's mean: the backward through the output is
+linear in that gradient.
+
+Healing in place: a peer's death inside the backward fails the gradient all-reduce, which in this
+shape does not raise into the loop (`GradientAllReduce`'s failure is kept on the step instead,
+and the bucket comes back unreduced); the prepared optimizer's `step()` then does nothing, and
+the next batch heals: the step is rolled back, the group re-formed and the state synced, and the
+same step's samples come again at the new world size, each rank's share larger. The loop never
+sees the failure. A failure raised by the loop's own code (a collective in its forward) is not
+hidden: it ends the loop as it would in Ray Train.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from elastic.worker.step import MicroBatch, Step
+
+
+class EpochOrder:
+    """`loader.sampler` of a prepared loader: `set_epoch` is accepted and does nothing, because
+    the run's cursor (seed, epoch) orders every epoch the same way on every rank already."""
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+
+class LoaderSteps:
+    """What `ctx.prepare_data_loader(loader)` returns: iterating it yields one epoch of steps."""
+
+    def __init__(self, steps: Callable[[], Iterator[Step]], dataset: Any, batch_size: int | None) -> None:
+        self._open_steps = steps
+        self.dataset = dataset
+        self.batch_size = batch_size  # the loader's, as Ray Train users read it
+        self.sampler = EpochOrder()
+        self._steps: Iterator[Step] | None = None
+        self._held: Step | None = None  # entered and handed out: the loop is training it
+        self._next: Step | None = None  # the first step of the next epoch, taken from `steps` already
+        self.batch: MicroBatch | None = None  # the share handed out for the held step
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._steps is None:
+            self._steps = self._open_steps()
+        epoch = None
+        while True:
+            self._end_held()
+            step, self._next = self._next or next(self._steps, None), None
+            if step is None:
+                return  # the run reached max_steps
+            if epoch is None:
+                epoch = step.cursor.epoch
+            elif step.cursor.epoch != epoch:
+                self._next = step  # the epoch is over; this step opens the next one
+                return
+            step.__enter__()
+            self._held = step
+            (self.batch,) = step.micro_batches()  # the share as one batch (`MicroBatching.whole_shares`)
+            yield self.batch.data
+
+    def _end_held(self) -> None:
+        step, self._held, self.batch = self._held, None, None
+        if step is None:
+            return
+        if step.failed is None:
+            step.__exit__(None, None, None)
+            return
+        failure = dist.DistError(step.failed)  # a peer's failure: the step rolls back, and `steps` heals
+        step.__exit__(type(failure), failure, None)
+
+    def weigh(self, output: Any) -> None:
+        """Scale the gradient reaching the prepared model's `output` by the held share's weight,
+        and count the share as weighted (the optimizer's step checks it), once its backward starts."""
+        batch = self.batch
+        if batch is None or not torch.is_grad_enabled():
+            return
+        for tensor in _tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(lambda grad, batch=batch: self._weighted(batch, grad))
+
+    @staticmethod
+    def _weighted(batch: MicroBatch, grad: torch.Tensor) -> torch.Tensor:
+        if not batch.weighted:
+            batch.weighted = True
+            if batch.step is not None:
+                batch.step.weighted += 1
+            if batch.on_sync is not None:
+                batch.on_sync()  # the hang probe: this rank's backward goes on to the all-reduce
+        return grad if batch.weight == 1 else grad * batch.weight
+
+
+def _tensors(output: Any) -> Iterator[torch.Tensor]:
+    """The floating-point tensors of a model's output: a tensor, or those inside a tuple, list or
+    mapping (a Hugging Face model's output is a mapping)."""
+    if isinstance(output, torch.Tensor):
+        if output.is_floating_point():
+            yield output
+    elif isinstance(output, dict) or hasattr(output, "values") and callable(output.values):
+        for value in output.values():
+            yield from _tensors(value)
+    elif isinstance(output, (tuple, list)):
+        for value in output:
+            yield from _tensors(value)
