@@ -344,7 +344,9 @@ def ray_train_loop(config: dict) -> dict:
     """A Ray Train V2 loop: prepared model, optimizer and DataLoader, `loss.backward()`,
     `optimizer.step()`, epochs with `set_epoch`, a report after each epoch."""
     model = elastic.prepare_model(build_mlp())
-    optimizer = elastic.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if not config.get("plain_optimizer"):
+        optimizer = elastic.prepare_optimizer(optimizer)
     loader = elastic.prepare_data_loader(torch.utils.data.DataLoader(regression_data(), batch_size=32, shuffle=True))
     ctx = elastic.get_context()
     batches, world_sizes = 0, set()
@@ -362,10 +364,10 @@ def ray_train_loop(config: dict) -> dict:
             "batches": batches, "world_sizes": sorted(world_sizes)}
 
 
-def _ray_train_shaped(tmp_path, name, faults=()):
+def _ray_train_shaped(tmp_path, name, faults=(), **config):
     # 63 samples a step: shares of 32 and 31 at 2 workers, so the shares' weights matter.
     return ElasticTrainer(
-        ray_train_loop, train_loop_config={"epochs": 2},
+        ray_train_loop, train_loop_config={"epochs": 2, **config},
         scaling_config=ScalingConfig(min_workers=1, max_workers=2),
         run_config=RunConfig(name=name, storage_path=str(tmp_path)),
         data_config=DataConfig(global_batch_size=63, micro_batch_size=63, max_steps=18, seed=3),
@@ -386,3 +388,8 @@ def test_a_ray_train_loop_heals_a_death_inside_its_backward_in_place_and_ends_eq
     for name, value in clean.value["params"].items():
         torch.testing.assert_close(healed.value["params"][name], value, rtol=1e-9, atol=1e-12)
     assert healed.metrics["epoch"] == 1
+
+
+def test_a_ray_train_loop_whose_optimizer_is_not_prepared_fails_saying_to_prepare_it(local_ray, tmp_path):
+    with pytest.raises(TrainingFailedError, match=r"no optimizer was prepared.*elastic.prepare_optimizer\(optimizer\)"):
+        _ray_train_shaped(tmp_path, "plain-optimizer", plain_optimizer=True).fit()

@@ -232,7 +232,8 @@ class TrainContext(ReplicaCoordinates):
                                f"this run uses {', '.join(kept)}: iterate ctx.steps(dataset) instead (docs/habits.md)")
         dataset = getattr(loader, "dataset", loader)
         self.batching.whole_shares()
-        self.loader_steps = LoaderSteps(lambda: self.steps(dataset), dataset, getattr(loader, "batch_size", None))
+        self.loader_steps = LoaderSteps(lambda: self.steps(dataset), dataset, getattr(loader, "batch_size", None),
+                                        lambda: self.stepping.optimizer is not None)
         self.membership.backward_failed = self._backward_failed
         if isinstance(self._prepared.returned, torch.nn.Module):
             self._weigh_outputs(self._prepared.returned)

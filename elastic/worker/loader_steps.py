@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from elastic.errors import ElasticError
 from elastic.worker.step import MicroBatch, Step
 
 
@@ -52,8 +53,10 @@ class EpochOrder:
 class LoaderSteps:
     """What `ctx.prepare_data_loader(loader)` returns: iterating it yields one epoch of steps."""
 
-    def __init__(self, steps: Callable[[], Iterator[Step]], dataset: Any, batch_size: int | None) -> None:
+    def __init__(self, steps: Callable[[], Iterator[Step]], dataset: Any, batch_size: int | None,
+                 optimizer_prepared: Callable[[], bool]) -> None:
         self._open_steps = steps
+        self._optimizer_prepared = optimizer_prepared
         self.dataset = dataset
         self.batch_size = batch_size  # the loader's, as Ray Train users read it
         self.sampler = EpochOrder()
@@ -85,6 +88,11 @@ class LoaderSteps:
         step, self._held, self.batch = self._held, None, None
         if step is None:
             return
+        if not self._optimizer_prepared():
+            raise ElasticError(
+                "a step of the prepared data loader ended, and no optimizer was prepared: in Ray Train's loop shape "
+                "the optimizer's step commits each step and does nothing in a step a peer's death interrupted, and "
+                "its state is synced and checkpointed. Pass it through elastic.prepare_optimizer(optimizer)")
         if step.failed is None:
             step.__exit__(None, None, None)
             return
