@@ -33,6 +33,7 @@ from elastic.faults import Fault
 from elastic.parallel.replicas import ReplicaShape
 from elastic.worker.context import TrainContext, _set_current
 from elastic.worker.mailbox import GenerationMailbox
+from elastic.worker.logs import record_rank
 from elastic.worker.reports import REPORT_INTERVAL_S, ReportQueue
 
 # `with step` and ctx.between_steps() heal a peer's death; one that reaches here came from a
@@ -85,6 +86,7 @@ class Worker:
             latest_checkpoint=lambda: ray.get(controller.latest_checkpoint_of_run.remote()),
             warn=lambda kind, message: controller.warn.remote(worker_id, kind, message),
         )
+        record_rank(lambda: self.ctx.rank)
         self.binds = ""  # set when the run starts (elastic.comm.binding)
         self.address = ""  # this node's, which its peers' connections see
         self._straggler_check = straggler_check  # it reads every rank's compute and links (find_slow_link)

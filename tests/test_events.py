@@ -5,6 +5,7 @@ server mode on a free local port), reached through pyarrow.fs.S3FileSystem.
 """
 
 import json
+import logging
 import os
 import pathlib
 import re
@@ -295,3 +296,15 @@ def test_a_flush_that_fails_keeps_its_events_and_the_journal_writes_them_when_th
         time.sleep(0.01)
     assert [e["state"] for e in read_events(storage)] == ["RUNNING", "FINISHED"]
     assert journal.flush_error is None
+
+
+def test_every_event_is_also_logged_and_what_went_wrong_as_a_warning(local, caplog):
+    journal = EventJournal(local)
+    with caplog.at_level(logging.DEBUG, logger="elastic"):
+        journal.emit("state", state="RUNNING")
+        journal.emit("worker_failed", worker_id=1, kind="death", cause="gone")
+        journal.emit("metrics", step=3)
+    logged = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
+    assert logged == [("elastic.journal.events", "INFO", 'state {"state": "RUNNING"}'),
+                      ("elastic.journal.events", "WARNING", 'worker_failed {"worker_id": 1, "kind": "death", "cause": "gone"}'),
+                      ("elastic.journal.events", "DEBUG", 'metrics {"step": 3}')]

@@ -4,6 +4,7 @@ is an nn.Module (called before the first step, compiled), `report(checkpoint=...
 peer's death, and a plain `loss.backward()` refused by name.
 """
 
+import logging
 import os
 import signal
 import sys
@@ -393,3 +394,35 @@ def test_a_ray_train_loop_heals_a_death_inside_its_backward_in_place_and_ends_eq
 def test_a_ray_train_loop_whose_optimizer_is_not_prepared_fails_saying_to_prepare_it(local_ray, tmp_path):
     with pytest.raises(TrainingFailedError, match=r"no optimizer was prepared.*elastic.prepare_optimizer\(optimizer\)"):
         _ray_train_shaped(tmp_path, "plain-optimizer", plain_optimizer=True).fit()
+
+
+# --- where time goes, and what a worker logs ----------------------------------------------------
+
+def profiled_and_logged_loop(config: dict) -> dict:
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append((record.name, getattr(record, "rank", None), record.getMessage()))
+
+    logging.getLogger("elastic").addHandler(Keep())
+    logging.getLogger("elastic").setLevel(logging.INFO)
+    ctx = elastic.get_context()
+    model = ctx.prepare_model(build_mlp())
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    with torch.profiler.profile() as profile:
+        for step in ctx.steps(regression_data()):
+            with step:
+                for mb in step.micro_batches():
+                    mb.backward(torch.nn.functional.mse_loss(model(mb.data[0]), mb.data[1]))
+                optimizer.step()
+                optimizer.zero_grad()
+    return {"ranges": sorted({e.name for e in profile.events() if e.name.startswith("elastic.")}),
+            "records": records, "rank": ctx.rank}
+
+
+def test_a_profile_of_the_loop_shows_elasticss_phases_and_a_workers_log_records_carry_its_rank(local_ray, tmp_path):
+    result = trainer(tmp_path, "profiled", ScalingConfig(num_workers=1), max_steps=2, loop=profiled_and_logged_loop).fit()
+    assert result.value["ranges"] == ["elastic.backward", "elastic.commit", "elastic.data", "elastic.forward"]
+    joined = [(rank, message) for name, rank, message in result.value["records"] if name == "elastic.worker.membership"]
+    assert joined and joined[0][0] == result.value["rank"] == 0 and "joined generation" in joined[0][1], joined

@@ -19,6 +19,7 @@ half an event, even while a local append is in progress.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -54,6 +55,12 @@ PROMPT_EVENT_TYPES = frozenset({"worker_failed", "decision", "recovery", "state"
 
 # How long the journal's thread waits before writing again to a store that failed a flush.
 FLUSH_RETRY_S = 1.0
+
+# Every event is also logged (`logging.getLogger("elastic.journal.events")`): what went wrong as a
+# warning, the periodic metrics at debug, the rest at info.
+_LOG_LEVEL = {"worker_failed": logging.WARNING, "checkpoint_skipped": logging.WARNING, "warning": logging.WARNING,
+              "run_failed": logging.ERROR, "fenced": logging.WARNING, "metrics": logging.DEBUG}
+_log = logging.getLogger(__name__)
 
 SEGMENTS = "events"
 SEGMENT_DIGITS = 12
@@ -96,6 +103,9 @@ class EventJournal:
         event = make_event(type, **fields)
         with self._lock:
             self._events.append(event)
+        level = _LOG_LEVEL.get(type, logging.INFO)
+        if _log.isEnabledFor(level):
+            _log.log(level, "%s %s", type, json.dumps(fields, default=str))
         return event
 
     @property

@@ -26,6 +26,7 @@ from elastic.parallel.prepared import PreparedModel
 from elastic.parallel.replicas import ReplicaShape
 from elastic.techniques.strategy import Techniques
 from elastic.worker.injection import FaultInjector
+from elastic.worker.phases import phase
 from elastic.worker.probe import HangProbe
 from elastic.worker.step import MicroBatch, Step
 
@@ -79,11 +80,14 @@ class MicroBatching:
         model = self._model()
         model.check_micro_batches()
         peers = step.world_size // self._shape.size
-        loaded = self._share(step)
+        with phase("elastic.data"):
+            loaded = self._share(step)
         for i, micro in enumerate(loaded):
             last = i == len(loaded) - 1
+            with phase("elastic.data"):
+                data = to_device(micro.data, self._device)
             batch = MicroBatch(
-                data=to_device(micro.data, self._device),
+                data=data,
                 indices=micro.indices,
                 weight=data_math.gradient_weight(micro.samples, peers, step.samples),
                 on_sync=functools.partial(self._probe.enter_sync, step) if last else None,

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic.parallel.prepared import DTENSOR, ComputeFrames, Generation, Placement, PreparedModel
 from elastic.techniques.strategy import Techniques
+from elastic.worker.phases import phase
 
 # DDP's gradient bucket size on gloo, in MB. Each bucket's all-reduce starts once the backward
 # filled it; on a link slower than compute, torch's 25 MB default holds the first large
@@ -54,7 +55,8 @@ class ElasticDDP(torch.nn.Module):
             super().__setattr__(name, value)
 
     def forward(self, *args, **kwargs):
-        return self._techniques.precision.forward(self.module if self.ddp is None else self.ddp, *args, **kwargs)
+        with phase("elastic.forward"):
+            return self._techniques.precision.forward(self.module if self.ddp is None else self.ddp, *args, **kwargs)
 
     def __getattr__(self, name: str):
         try:

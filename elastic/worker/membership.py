@@ -15,6 +15,7 @@ formed and let go of with the world group.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ from elastic.worker.injection import FaultInjector
 from elastic.worker.mailbox import GenerationMailbox
 from elastic.worker.probe import HangProbe
 from elastic.worker.random_state import RandomState
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -160,9 +163,13 @@ class Membership:
                                                       "error": f"{type(exc).__name__}: {exc}"})
                 if not (state_lost or isinstance(exc, _ConnectFailed) or peer_failed(exc)):
                     raise
+                _log.warning("generation %d did not form (%s: %s); waiting for the next offer", spec.generation,
+                             type(exc).__name__, exc)
                 continue  # the controller offers another generation: a restart, if state was lost
             if timings is None:
                 continue  # aborted: a member died or left before everyone arrived
+            _log.info("joined generation %d (%s) as rank %d of %d at step %d in %.3f s", spec.generation, reason,
+                      spec.rank, spec.world_size, self._progress.step, time.perf_counter() - left)
             self.mailbox.formed(spec.generation, {
                 "ok": True, "step": self._progress.step, "steps_lost": lost + self._rolled_back, "reason": reason,
                 "source_rank": self._last_sync.source_rank, **timings,

@@ -17,6 +17,7 @@ from elastic.comm.generation import peer_failed
 from elastic.comm.group import GenerationSpec
 from elastic.data import order as data_math
 from elastic.errors import ElasticError
+from elastic.worker.phases import phase
 
 
 
@@ -61,7 +62,8 @@ class MicroBatch:
         self.weighted = True
         # A weight of 1 (an even split into one micro-batch a rank) multiplies exactly: leave out
         # the multiply, one autograd node fewer in the step's forward and backward.
-        self.run_backward(loss if self.weight == 1 else loss * self.weight)
+        with phase("elastic.backward"):
+            self.run_backward(loss if self.weight == 1 else loss * self.weight)
         if self.synced is not None:
             self.synced()
 

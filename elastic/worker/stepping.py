@@ -9,6 +9,7 @@ random streams), so that the step is redone in the healed generation.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,8 +21,11 @@ from elastic.techniques.strategy import Techniques
 from elastic.worker.batching import MicroBatching
 from elastic.worker.injection import FaultInjector
 from elastic.worker.membership import Membership, Progress
+from elastic.worker.phases import phase
 from elastic.worker.random_state import RandomState
 from elastic.worker.step import Step
+
+_log = logging.getLogger(__name__)
 
 
 class Stepping:
@@ -53,17 +57,20 @@ class Stepping:
     def end(self, step: Step, exc: BaseException | None) -> bool:
         """The `with step:` block ended; True to swallow `exc`, a peer's failure the next join heals."""
         if exc is None:
-            self.commit()
-            if step.compute_s is not None:
-                self.compute_s = step.compute_s - self._faults.slow_extra_s
-            self._report_sink({"kind": "step", "step": step.index, "rank": step.rank, "world_size": step.world_size,
-                               "generation": step.generation,
-                               "step_s": time.perf_counter() - step.started, "compute_s": step.compute_s,
-                               "samples": step.samples, "time": time.time()})
+            with phase("elastic.commit"):
+                self.commit()
+                if step.compute_s is not None:
+                    self.compute_s = step.compute_s - self._faults.slow_extra_s
+                self._report_sink({"kind": "step", "step": step.index, "rank": step.rank,
+                                   "world_size": step.world_size, "generation": step.generation,
+                                   "step_s": time.perf_counter() - step.started, "compute_s": step.compute_s,
+                                   "samples": step.samples, "time": time.time()})
             return False
         if peer_failed(exc):
             # Keep the message, not the exception: its traceback would keep the old DDP alive.
             step.failed = f"{type(exc).__name__}: {exc}"
+            _log.warning("step %d failed on a peer's failure (%s); %s", step.index, step.failed,
+                         "it committed here" if step.committed else "rolled back, to be redone after the heal")
             if not step.committed:
                 # The techniques first: the overlapped optimizer may still be stepping on the gradients.
                 self._techniques.failed()
