@@ -84,7 +84,8 @@ class Worker:
             data_config, self.mailbox, faults, self._reports.add, use_gpu, checkpoint_config, writer,
             on_fault=self._on_fault, strategy=strategy, shape=shape, slot=slot,
             latest_checkpoint=lambda: ray.get(controller.latest_checkpoint_of_run.remote()),
-            warn=lambda kind, message: controller.warn.remote(worker_id, kind, message),
+            # Waits (once per kind), so the controller has it before it sees the run's outcome.
+            warn=lambda kind, message: ray.get(controller.warn.remote(worker_id, kind, message)),
         )
         record_rank(lambda: self.ctx.rank)
         self.binds = ""  # set when the run starts (elastic.comm.binding)

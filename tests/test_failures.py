@@ -53,7 +53,7 @@ def test_a_user_exception_is_retried_no_more_than_max_failures(local_ray, tmp_pa
 # A data or logging client's own errors, worded as a network failure would be.
 USER_ERRORS = [("S3 read timed out while fetching shard 17", "once"),
                ("metrics push failed: connection reset by peer", "every time"),
-               ("cannot write the log: broken pipe", "once")]
+               pytest.param("cannot write the log: broken pipe", "once", marks=pytest.mark.soak)]
 
 
 @pytest.mark.parametrize(("message", "when"), USER_ERRORS, ids=["timed-out-once", "reset-every-time", "broken-pipe-once"])

@@ -315,7 +315,8 @@ def test_an_lr_scheduler_wraps_the_fp16_prepared_optimizer_and_steps_it():
 
 def test_a_ray_train_shaped_loop_that_never_enters_ctx_steps_fails_the_run_saying_what_to_write(local_ray, tmp_path):
     with pytest.raises(TrainingFailedError, match=r"returned without iterating ctx.steps\(dataset\).*Write "
-                       r"`for step in ctx.steps\(dataset\):`"):
+                       r"`for step in ctx.steps\(dataset\):`"), \
+            pytest.warns(UserWarning, match=r"elastic.report\(\['loss'\]\) was called on rank -1 before ctx.steps\(\) began"):
         trainer(tmp_path, "ray-train-shaped", ScalingConfig(num_workers=2), loop=ray_train_shaped_loop).fit()
 
 

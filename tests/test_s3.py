@@ -104,11 +104,11 @@ def _frozen_store_run(tmp_path, freeze_s: float):
         yield result, RunStorage("bucket/runs", "frozen-store", fs), committed, window
 
 
-FREEZE_AT, EVERY, STALL_STEPS = 40, 10, 400
+FREEZE_AT, EVERY, STALL_STEPS = 40, 10, 240
 
 
 def test_a_frozen_store_never_stalls_training_and_every_event_and_checkpoint_lands_once_it_thaws(local_ray, tmp_path):
-    for result, run, committed, window in _frozen_store_run(tmp_path, freeze_s=8):
+    for result, run, committed, window in _frozen_store_run(tmp_path, freeze_s=5):
         before = [t for s, t in committed.items() if FREEZE_AT - 30 <= s <= FREEZE_AT]
         during = [s for s, t in committed.items() if window["frozen"] < t < window["thawed"]]
         pace_before = (len(before) - 1) / (before[-1] - before[0])

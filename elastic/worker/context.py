@@ -122,7 +122,8 @@ class TrainContext(ReplicaCoordinates):
         warn: Callable[[str, str], None] = lambda kind, message: warnings.warn(message, stacklevel=3),
     ) -> None:
         self.data_config = data_config
-        self._warn = warn  # (kind, message): the journal and the driver show it, once per kind
+        self._warn_sink = warn  # (kind, message): the journal and the driver show it
+        self._warned: set[str] = set()
         self.checkpoint_config = checkpoint_config
         self._latest_checkpoint = latest_checkpoint  # asks the controller
         self.mailbox = mailbox
@@ -346,6 +347,12 @@ class TrainContext(ReplicaCoordinates):
     def set_checkpoint_metadata(self, **metadata: Any) -> None:
         """JSON-able values stored in the manifest of every checkpoint from now on."""
         self.snapshots.set_metadata(**metadata)
+
+    def _warn(self, kind: str, message: str) -> None:
+        """Tell the train loop's misuse once per kind (see docs/habits.md)."""
+        if kind not in self._warned:
+            self._warned.add(kind)
+            self._warn_sink(kind, message)
 
     def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
         if checkpoint is not None:
