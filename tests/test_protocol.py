@@ -334,6 +334,19 @@ def test_a_generation_that_fails_to_form_is_offered_again_and_the_run_fails_past
     assert any(d["action"] == "REFORM" for d in group.events("decision"))
 
 
+def test_generations_that_keep_failing_on_workers_sharing_a_gpu_fail_the_run_naming_the_shared_gpu_not_the_network():
+    group = FakeWorkerGroup()
+    group.protocol.scaling = ScalingConfig(min_workers=2, max_workers=3, use_gpu=True, resources_per_worker={"GPU": 0.5})
+    group.start_run(0, 1, 2)
+    group.die(2)
+    for _ in range(MAX_FAILED_FORMATIONS + 1):
+        generation = group.latest_offer.formation.generation
+        group.send(FormedReport(0, generation, ok=False, error="DistBackendError: NCCL error"))
+    error = group.protocol.state.error
+    assert "GPU=0.5, so Ray puts 2 workers on one GPU, and NCCL refuses two ranks" in error, error
+    assert "reach each other" not in error
+
+
 def test_a_formation_that_lost_part_of_the_state_restarts_from_the_checkpoint_without_counting_a_failure():
     group = FakeWorkerGroup(min_workers=1)
     group.start_run(0, 1, 2)

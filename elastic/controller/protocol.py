@@ -242,7 +242,7 @@ class Protocol:
             reason = f"generation {obs.generation} did not form on worker {obs.worker_id}: {obs.error}"
             if self.failed_formations > MAX_FAILED_FORMATIONS:
                 message = (f"{self.failed_formations} generations in a row failed to form; the last: {obs.error}. "
-                           "Check that workers can reach each other and the controller's TCPStore.")
+                           f"{self._formation_advice()}")
                 return self._enter(Failed(message, "formation"), reason)
             actions = [self._decision("REFORM", reason), *self._abort_formation(now)]
             self.broken = True  # its members may have left the running generation already
@@ -550,6 +550,15 @@ class Protocol:
         for worker_id in self.members:
             actions += self._evict(worker_id, "app_error", cause)
         return actions
+
+    def _formation_advice(self) -> str:
+        """What to check when generations keep failing to form, from the run's own configuration."""
+        gpu = self.scaling.worker_resources().get("GPU", 0)
+        if self.scaling.use_gpu and 0 < gpu < 1:
+            return (f"Each worker asks for GPU={gpu:g}, so Ray puts {int(1 // gpu)} workers on one GPU, and NCCL refuses "
+                    "two ranks of a group on the same GPU: give each worker a whole GPU (resources_per_worker "
+                    "GPU=1), or try the run on CPUs (use_gpu=False, gloo).")
+        return "Check that workers can reach each other and the controller's TCPStore."
 
     def _break(self, now: float) -> list[Action]:
         """The running generation broke. Generations in a row that break before committing a
