@@ -14,8 +14,10 @@ Without CUDA it says so and exits with code 2. It measures, each as min, median 
   LM_BATCH windows of the demo's length) on one GPU: steps per second in fp32 and under bf16
   autocast;
 - the checkpoint stall from GPU memory: `elastic.checkpoint.checkpoint.take_snapshot` of a model and its
-  AdamW state of about SNAPSHOT_PARAMS parameters (~SNAPSHOT_PARAMS * 12 bytes), against a
-  plain `.cpu()` copy of every tensor of the same state.
+  AdamW state of about SNAPSHOT_PARAMS parameters (~SNAPSHOT_PARAMS * 12 bytes) into the reused,
+  pinned buffers of a `HostBuffers` pool (as a worker takes it), against a plain `.cpu()` copy of
+  every tensor of the same state and against the floor, a non-blocking copy of every tensor into
+  pinned buffers kept across rounds.
 """
 
 from __future__ import annotations
@@ -165,6 +167,7 @@ def lm_steps_per_s(precision: str) -> dict[str, Any]:
 def checkpoint_stall() -> dict[str, Any]:
     """`take_snapshot` of a GPU-resident model and AdamW state against a plain `.cpu()` copy."""
     from elastic.checkpoint.checkpoint import take_snapshot
+    from elastic.checkpoint.host_buffers import HostBuffers
     from elastic.comm.state_sync import state_of
 
     width = 4096
@@ -178,18 +181,31 @@ def checkpoint_stall() -> dict[str, Any]:
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     progress = {"step": 1, "cursor": {"epoch": 0, "consumed": 0, "seed": 0}}
 
+    pool = HostBuffers()  # as a worker's Snapshots keeps it: pinned, reused once a snapshot is written
+
     def snapshot() -> None:
-        take_snapshot(states, progress)
+        take_snapshot(states, progress, pool=pool).release()
 
     def plain_copy() -> None:
         [t.cpu() for t in tensors]
 
-    stall, copy = [], []
-    for _ in range(SNAPSHOT_ROUNDS):  # alternate, so drift in the machine hits both alike
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+
+    def pinned_copy() -> None:  # the floor: a non-blocking copy of every tensor into pinned buffers kept
+        for target, tensor in zip(pinned, tensors):
+            target.copy_(tensor, non_blocking=True)
+        torch.cuda.synchronize()
+
+    snapshot()  # the pool's first buffers are allocated (and pinned) once per run, not per checkpoint
+    stall, copy, floor = [], [], []
+    for _ in range(SNAPSHOT_ROUNDS):  # alternate, so drift in the machine hits all alike
         stall.append(_synchronized(snapshot))
         copy.append(_synchronized(plain_copy))
+        floor.append(_synchronized(pinned_copy))
     return {"bytes": state_bytes, "stall_s": _spread(stall), "plain_cpu_copy_s": _spread(copy),
+            "pinned_copy_s": _spread(floor),
             "stall_ratio_vs_plain_copy": statistics.median(stall) / statistics.median(copy),
+            "stall_ratio_vs_pinned_copy": statistics.median(stall) / statistics.median(floor),
             "rounds": SNAPSHOT_ROUNDS}
 
 

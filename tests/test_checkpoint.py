@@ -32,6 +32,7 @@ from elastic.checkpoint.checkpoint import (
     verify,
     write_manifest,
 )
+from elastic.checkpoint.host_buffers import HostBuffers
 from elastic.checkpoint.storage import RunStorage
 from elastic.comm.state_sync import state_of
 from held_store import HeldStore
@@ -325,7 +326,8 @@ def test_a_store_that_stops_answering_never_holds_up_submit_and_a_newer_snapshot
     run = RunStorage(str(tmp_path), "run", pafs.PyFileSystem(store))
     reports = []
     writer = CheckpointWriter(run, on_written=reports.append)
-    snapshots = {step: take_snapshot({"t": torch.full((3,), float(step))}, {"step": step, "cursor": {}})
+    pool = HostBuffers()
+    snapshots = {step: take_snapshot({"t": torch.full((3,), float(step))}, {"step": step, "cursor": {}}, pool=pool)
                  for step in (10, 20, 30)}
     store.hold()
     writer.submit(snapshots[10], 0, 1, 0.0, {}, {})
@@ -334,8 +336,33 @@ def test_a_store_that_stops_answering_never_holds_up_submit_and_a_newer_snapshot
     writer.submit(snapshots[20], 0, 1, 0.0, {}, {})
     writer.submit(snapshots[30], 0, 1, 0.0, {}, {})
     assert store.waiting and not reports
+    # The replaced snapshot's buffers are free for the next one at once.
+    assert pool.take(torch.float32, 3, False).data_ptr() == snapshots[20].buffers["float32"].data_ptr()
     store.release()
     writer.wait()
     assert [(r["step"], "skipped" in r) for r in reports] == [(10, False), (20, True), (30, False)]
     assert "replaced it: the store is slower than the checkpoint schedule" in reports[1]["skipped"]
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step_10", "step_30"]
+
+
+def test_a_written_snapshot_gives_its_buffers_to_the_next_and_a_snapshot_still_held_keeps_its_own(run):
+    pool = HostBuffers()
+    reports = []
+    writer = CheckpointWriter(run, on_written=reports.append)
+    state = {"w": torch.arange(6.0), "n": torch.arange(3)}
+    first = take_snapshot(state, {"step": 1, "cursor": {}}, pool=pool)
+    second = take_snapshot(state, {"step": 2, "cursor": {}}, pool=pool)  # the first is not written yet
+    pointers = lambda snapshot: {b.data_ptr() for b in snapshot.buffers.values()}  # noqa: E731
+    assert not pointers(first) & pointers(second)
+    writer.submit(first, 0, 1, 0.0, {}, {})
+    writer.wait()
+    state["w"].add_(100)
+    third = take_snapshot(state, {"step": 3, "cursor": {}}, pool=pool)
+    assert pointers(third) == pointers(first), "the written snapshot's buffers were not reused"
+    assert torch.equal(third.buffers["float32"], torch.arange(6.0) + 100)
+    assert torch.equal(second.buffers["float32"], torch.arange(6.0)), "a held snapshot's buffers were overwritten"
+    # What the first wrote is the state at step 1, though its buffers now hold step 3's.
+    written = checkpoint_storage(run, 1)
+    write_manifest(run, first.progress, 1, reports[0]["files"], {})
+    assert torch.equal(Checkpoint(written, json.loads(written.read_text("manifest.json"))).load_state()["w"],
+                       torch.arange(6.0))

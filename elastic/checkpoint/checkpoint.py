@@ -46,6 +46,7 @@ import pyarrow.fs as pafs
 import torch
 
 from elastic.checkpoint import tensor_file
+from elastic.checkpoint.host_buffers import HostBuffers
 from elastic.checkpoint.reported import write_directory
 from elastic.checkpoint.storage import RunStorage
 from elastic.comm.flat_state import describe, gather, numel, unflatten
@@ -130,21 +131,31 @@ class Snapshot:
     """Each dtype's share for `rank` of `world_size`: all of the flat buffer when world_size is 1."""
     rank: int = 0
     world_size: int = 1
+    pool: HostBuffers | None = None  # where its buffers go back once it is written or skipped
+
+    def release(self) -> None:
+        """Give the buffers back for the next snapshot: this one is written, or will never be."""
+        if self.pool is not None:
+            self.pool.give_back(list(self.buffers.values()))
 
 
-def take_snapshot(states: dict[str, Any], progress: dict[str, Any], rank: int = 0, world_size: int = 1) -> Snapshot:
+def take_snapshot(states: dict[str, Any], progress: dict[str, Any], rank: int = 0, world_size: int = 1,
+                  pool: HostBuffers | None = None) -> Snapshot:
     """Copy to CPU the share of the state that `rank` of `world_size` writes (by default, all of it).
 
     Training waits for this copy, so it is a single one: each tensor's part goes straight into
-    a buffer allocated for the share. Every rank holds the same state, so a rank copies only
-    the slice it writes.
+    a buffer for the share, from `pool` where one is given (reused, and pinned for GPU state:
+    `elastic.checkpoint.host_buffers`), else allocated. Every rank holds the same state, so a
+    rank copies only the slice it writes.
     """
     structure, tensors = describe({"progress": progress, "state": states})
     buffers = {}
     for dtype, parts in tensors.items():
         start, stop = share_bounds(numel(parts), world_size, rank)
-        buffers[dtype] = gather(parts, start, stop, torch.device("cpu"))
-    return Snapshot(progress["step"], progress, structure, buffers, rank, world_size)
+        pinned = any(part.is_cuda for part in parts)
+        buffer = pool.take(parts[0].dtype, stop - start, pinned) if pool is not None else None
+        buffers[dtype] = gather(parts, start, stop, torch.device("cpu"), buffer)
+    return Snapshot(progress["step"], progress, structure, buffers, rank, world_size, pool)
 
 
 def shard_chunks(snapshot: Snapshot, rank: int, world_size: int) -> dict[str, torch.Tensor]:
@@ -417,14 +428,15 @@ class CheckpointWriter:
         """Write this rank's shard (and `optimizer_shard`, its part of a ZeRO optimizer's state, a
         copy; on rank 0 the user's files and the `reported_files` of elastic.report, or what reads
         them) in the background, without waiting."""
-        upload = _Upload(snapshot.step, rank, world_size, generation, functools.partial(
+        upload = _Upload(snapshot, rank, world_size, generation, functools.partial(
             self._write, snapshot, rank, world_size, stall_s, dict(user_files), dict(metadata), crash_midway,
             optimizer_shard, reported_files or {}, generation, part))
         with self._changed:
             replaced, self._waiting = self._waiting, upload
             if replaced is not None:
+                replaced.snapshot.release()
                 self._skipped.append(replaced.skipped(
-                    f"the snapshot of step {replaced.step} waited for the upload before it, and the one of step "
+                    f"the snapshot of step {replaced.snapshot.step} waited for the upload before it, and the one of step "
                     f"{snapshot.step} replaced it: the store is slower than the checkpoint schedule"))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="elastic-checkpoint")
@@ -446,7 +458,10 @@ class CheckpointWriter:
             for report in skipped:
                 self.on_written(report)
             if upload is not None:
-                upload.write()
+                try:
+                    upload.write()
+                finally:
+                    upload.snapshot.release()
             with self._changed:
                 self._uploading = False
                 self._changed.notify_all()
@@ -495,14 +510,14 @@ class CheckpointWriter:
 class _Upload:
     """A snapshot waiting for the writer's thread: what names it, and the write itself."""
 
-    step: int
+    snapshot: Snapshot
     rank: int
     world_size: int
     generation: int
     write: Callable[[], None]
 
     def skipped(self, why: str) -> dict[str, Any]:
-        return {"step": self.step, "rank": self.rank, "world_size": self.world_size,
+        return {"step": self.snapshot.step, "rank": self.rank, "world_size": self.world_size,
                 "generation": self.generation, "skipped": why}
 
 

@@ -50,13 +50,16 @@ def numel(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() for t in tensors)
 
 
-def gather(tensors: list[torch.Tensor], start: int, stop: int, device: torch.device) -> torch.Tensor:
-    """Elements [start, stop) of `tensors` laid end to end, in a new 1-d buffer on `device`.
+def gather(tensors: list[torch.Tensor], start: int, stop: int, device: torch.device,
+           buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """Elements [start, stop) of `tensors` laid end to end, in a new 1-d buffer on `device` (or in
+    `buffer`, of stop - start elements).
 
     The buffer is allocated once and each tensor's part is copied straight into it, across
     devices and strides alike: no per-tensor temporary and no second copy by `torch.cat`.
     """
-    buffer = torch.empty(stop - start, dtype=tensors[0].dtype, device=device)
+    if buffer is None:
+        buffer = torch.empty(stop - start, dtype=tensors[0].dtype, device=device)
     offset = 0
     for tensor in tensors:
         count = tensor.numel()

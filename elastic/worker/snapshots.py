@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from elastic.checkpoint import reported
 from elastic.checkpoint.checkpoint import Checkpoint, CheckpointWriter, take_snapshot
+from elastic.checkpoint.host_buffers import HostBuffers
 from elastic.comm.generation import peer_failed
 from elastic.config import CheckpointConfig
 from elastic.errors import ElasticError
@@ -65,6 +66,7 @@ class Snapshots:
         self._reported_files: dict[str, bytes] | Callable[[], dict[str, bytes]] | None = None
         self._last_checkpoint = time.monotonic()
         self._flag: tuple[dist.Work, torch.Tensor] | None = None
+        self._buffers = HostBuffers()  # reused by every snapshot of the same sizes
 
     def add_file(self, name: str, data: bytes) -> None:
         if not name or "/" in name or name.startswith("."):
@@ -124,7 +126,7 @@ class Snapshots:
         kept = self._techniques.checkpoint_state(self._objects, self._progress.to_dict())
         if kept is None:
             return  # local SGD has not synced since the last checkpoint: nothing new to keep
-        snapshot = take_snapshot(*kept)
+        snapshot = take_snapshot(*kept, pool=self._buffers)
         membership = self._membership
         rank = membership.rank
         if rank == 0 and self._reported_files is None:
