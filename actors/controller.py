@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from elastic.controller.states import Failed, Formation
 from elastic.faults import Fault
 from elastic.journal.events import EventJournal, read_events
 from elastic.journal.resume import resume
+from elastic.worker.injection import die
 from elastic.parallel.replicas import ReplicaShape
 
 NODE_ID_LABEL = "ray.io/node-id"  # a label Ray gives every node
@@ -190,7 +190,7 @@ class Controller:
         # The restarted controller reads from the journal which faults fired: it must hold them.
         await asyncio.to_thread(self.journal.flush)
         # Die after this call has answered, like a crash: no cleanup. Ray restarts the actor.
-        asyncio.get_running_loop().call_later(0.05, os._exit, 1)
+        asyncio.get_running_loop().call_later(0.05, die)
 
     async def shard_written(self, worker_id: int, report: dict[str, Any]) -> None:
         """A rank finished (or failed) writing its shard; the last one completes the checkpoint."""

@@ -421,7 +421,7 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
 
     def submit(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
-               user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool = False,
+               user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: Callable[[], None] | None = None,
                optimizer_shard: dict[str, Any] | None = None,
                reported_files: dict[str, bytes] | Callable[[], dict[str, bytes]] | None = None,
                generation: int = 0, part: Part | None = None) -> None:
@@ -467,7 +467,7 @@ class CheckpointWriter:
                 self._changed.notify_all()
 
     def _write(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
-               user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: bool,
+               user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: Callable[[], None] | None,
                optimizer_shard: dict[str, Any] | None,
                reported_files: dict[str, bytes] | Callable[[], dict[str, bytes]], generation: int,
                part: Part | None) -> None:
@@ -484,13 +484,13 @@ class CheckpointWriter:
                                        snapshot.structure if index == 0 else None,
                                        {"format_version": str(FORMAT_VERSION), "rank": str(index),
                                         "world_size": str(count)})
-            crash_after = sum(c.numel() * c.element_size() for c in chunks.values()) // 2 if crash_midway else None
+            crash = (sum(c.numel() * c.element_size() for c in chunks.values()) // 2, crash_midway) if crash_midway else None
             name = f"{part.name}/{shard_name(index, count)}" if part else shard_name(rank, world_size)
 
-            def write(name: str, pieces: list[Any], crash_after: int | None = None) -> None:
-                report["files"].append(write_file(folder, name, pieces, crash_after, generation_path(generation, name)))
+            def write(name: str, pieces: list[Any], crash: tuple[int, Callable[[], None]] | None = None) -> None:
+                report["files"].append(write_file(folder, name, pieces, crash, generation_path(generation, name)))
 
-            write(name, shard, crash_after)
+            write(name, shard, crash)
             if optimizer_shard is not None:
                 structure, tensors = describe(optimizer_shard)
                 write(optimizer_shard_name(rank, world_size), tensor_file.encode(tensors, structure))
@@ -532,14 +532,14 @@ def generation_path(generation: int, name: str) -> str:
 
 
 def write_file(folder: RunStorage, name: str, pieces: list[Any],
-               crash_after: int | None = None, path: str | None = None) -> dict[str, Any]:
+               crash: tuple[int, Callable[[], None]] | None = None, path: str | None = None) -> dict[str, Any]:
     """Write file `name` (at `path`, by default the name), the `pieces` end to end, and make it
     durable; its manifest entry (name, path, size, sha256).
 
     The pieces go to storage as they are, in parts of HASH_PART_BYTES, each hashed on a helper
     thread while this one writes it (both let go of the GIL): with a free core the hash costs
-    little more than the write. `crash_after` is the injected fault: the process dies like a
-    crash once that many bytes have reached storage.
+    little more than the write. `crash` is an injected fault, (bytes, die): once that many bytes
+    have reached storage, `die` ends the process like a crash (`elastic.worker.injection.die`).
     """
     relative = path or name
     if "/" in relative:
@@ -556,10 +556,10 @@ def write_file(folder: RunStorage, name: str, pieces: list[Any],
             ThreadPoolExecutor(1, thread_name_prefix="elastic-checkpoint-hash") as hasher:
         for part in parts:
             hashed = hasher.submit(sha256.update, part)
-            if crash_after is not None and size + len(part) >= crash_after:
-                out.write(part[: crash_after - size])
+            if crash is not None and size + len(part) >= crash[0]:
+                out.write(part[: crash[0] - size])
                 out.flush()
-                os._exit(1)
+                crash[1]()
             out.write(part)
             size += len(part)
             hashed.result()

@@ -28,7 +28,7 @@ from elastic.config import CheckpointConfig
 from elastic.errors import ElasticError
 from elastic.parallel.prepared import PreparedModel
 from elastic.techniques.strategy import Techniques
-from elastic.worker.injection import FaultInjector
+from elastic.worker.injection import FaultInjector, die
 from elastic.worker.membership import Membership, Progress
 from elastic.worker.probe import HangProbe
 
@@ -139,7 +139,7 @@ class Snapshots:
         # Never waits for the store: a snapshot taken while the last one uploads waits in the
         # writer, replacing any older one still waiting (`CheckpointWriter`).
         self._writer.submit(snapshot, rank, membership.world_size, time.perf_counter() - started,
-                            self._files, self._metadata, crash_midway=crash,
+                            self._files, self._metadata, crash_midway=die if crash else None,
                             optimizer_shard=optimizer_shard, reported_files=self._reported_files,
                             generation=membership.generation,
                             part=self._model().checkpoint_part(membership.replica_rank, membership.num_replicas))
