@@ -156,3 +156,14 @@ def test_a_warm_spare_takes_a_dead_members_place_in_the_heal_itself(local_ray, t
     [spare] = [m for m in heal["members"] if m["worker_id"] not in members_before]
     assert spare["worker_id"] in {e["worker_id"] for e in result.events_of("worker_started") if e["time"] < heal["time"]}
     assert not [e for e in result.events_of("generation_formed") if e["kind"] == "grow"], "it waited for a grow"
+
+
+def test_a_run_that_stood_still_counts_the_time_no_step_committed_as_lost_in_its_goodput(local_ray, tmp_path):
+    stood_s = 6.0
+    result = _trainer(tmp_path, "stood-still", ScalingConfig(num_workers=2), compute_s=0.02,
+                      stand_still=(20, stood_s)).fit()
+    [finished] = result.events_of("run_finished")
+    # The productive time: the 39 other steps (~0.03 s each) and, of the step that stood still,
+    # one median step. Counted whole, that step alone would make it more than stood_s.
+    productive_s = finished["goodput"] * finished["wall_s"]
+    assert productive_s < stood_s - 1, (productive_s, finished["wall_s"])

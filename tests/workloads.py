@@ -98,6 +98,8 @@ def regression_loop(config: dict) -> dict:
                 check_synced(ctx, synced_at, model_alike=ctx.strategy.sync_options["kind"] != "easgd")
             check_alike_when_formed(ctx, checked)
             time.sleep(config.get("compute_s", 0.0))  # a slow step's compute, inside the step
+            if step.index == config.get("stand_still", (-1, 0))[0]:
+                time.sleep(config["stand_still"][1])  # every rank inside one step: the run stands still
             if step.index == config.get("mismatch_at"):
                 dist.all_reduce(torch.ones(1 + ctx.rank))  # a user bug: shapes differ across ranks
             overflow = tuple(config.get("inf_at", ())) == (ctx.rank, step.index)

@@ -38,6 +38,7 @@ from elastic.comm.group import GenerationSpec
 from elastic.comm.links import GroupLinks
 from elastic.comm.state_sync import state_of
 from elastic.config import CheckpointConfig, DataConfig, Strategy
+from elastic.data.loader import to_device
 from elastic.errors import ElasticError
 from elastic.faults import Fault
 from elastic.parallel.prepared import Placement
@@ -45,7 +46,7 @@ from elastic.parallel.replicas import ReplicaCoordinates, ReplicaShape
 from elastic.techniques.strategy import Techniques
 from elastic.worker.batching import MicroBatching
 from elastic.worker.injection import FaultInjector
-from elastic.worker.loader_steps import LoaderSteps
+from elastic.worker.loader_steps import EvaluationShards, LoaderSteps
 from elastic.worker.mailbox import GenerationMailbox
 from elastic.worker.membership import Membership, Progress
 from elastic.worker.model_kinds import prepare
@@ -217,12 +218,14 @@ class TrainContext(ReplicaCoordinates):
             self._weigh_outputs(returned)
         return returned
 
-    def prepare_data_loader(self, loader: torch.utils.data.DataLoader) -> LoaderSteps:
+    def prepare_data_loader(self, loader: torch.utils.data.DataLoader) -> LoaderSteps | EvaluationShards:
         """Ray Train's loop shape (`elastic.worker.loader_steps`): iterate what this returns once per
         epoch; each batch is this rank's share of the next global step, which the prepared
-        optimizer's `step()` commits, and a peer's death inside the backward heals in place."""
-        if self.loader_steps is not None:
-            raise ElasticError("prepare_data_loader() was called twice; elastic serves one dataset per run")
+        optimizer's `step()` commits, and a peer's death inside the backward heals in place. A
+        second call prepares an evaluation's loader: each rank iterates its slice of it."""
+        if self.loader_steps is not None:  # the training loader came first: this one is an evaluation's
+            return EvaluationShards(loader, lambda: (max(self.rank, 0), max(self.world_size, 1)),
+                                    lambda batch: to_device(batch, self.device))
         techniques = self.techniques
         kept = [name for name, used in (
             ("compression", techniques.hooks_gradients), ("local SGD or stale synchrony", techniques.acts_between_steps),

@@ -28,6 +28,9 @@ the next batch heals: the step is rolled back, the group re-formed and the state
 same step's samples come again at the new world size, each rank's share larger. The loop never
 sees the failure. A failure raised by the loop's own code (a collective in its forward) is not
 hidden: it ends the loop as it would in Ray Train.
+
+A second prepared loader is an evaluation's (`EvaluationShards`): each rank iterates its own
+slice of that dataset, with no steps.
 """
 
 from __future__ import annotations
@@ -132,3 +135,30 @@ def _tensors(output: Any) -> Iterator[torch.Tensor]:
     elif isinstance(output, (tuple, list)):
         for value in output:
             yield from _tensors(value)
+
+
+class EvaluationShards:
+    """What a second `prepare_data_loader` returns (an evaluation's loader, as in Ray Train's
+    examples): each pass iterates this rank's slice of the dataset, every world-size-th sample
+    from its rank in the generation of the moment, in the loader's batches and collation, on
+    the worker's device. It takes no steps; it holds no state a heal must sync."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader, position: Callable[[], tuple[int, int]],
+                 to_device: Callable[[Any], Any]) -> None:
+        self.dataset = loader.dataset
+        self.batch_size = loader.batch_size
+        self.sampler = EpochOrder()
+        self._collate = loader.collate_fn
+        self._position = position
+        self._to_device = to_device
+
+    def _shard(self) -> torch.utils.data.Subset:
+        rank, world_size = self._position()
+        return torch.utils.data.Subset(self.dataset, range(rank, len(self.dataset), world_size))
+
+    def __len__(self) -> int:
+        return -(-len(self._shard()) // self.batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in torch.utils.data.DataLoader(self._shard(), batch_size=self.batch_size, collate_fn=self._collate):
+            yield self._to_device(batch)
