@@ -4,9 +4,9 @@ trained through `ctx.prepare_model` with AdamW under `Strategy(precision="bf16")
 with the whole model a fresh GPT-2 loads by its own names.
 """
 
-import inspect
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,35 +18,19 @@ from elastic import DataConfig, ElasticTrainer, RunConfig, ScalingConfig, Strate
 from workloads import OutsideKiller, fit_held, hold_at_gate, workers_started
 
 transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import train_hf  # noqa: E402  (examples/train_hf.py: the model and the data, shared with the example)
+from train_hf import ByteWindows, gpt2_config  # noqa: E402
 
-# The train loop below is defined here; Ray workers cannot import the tests folder.
+# The train loops are defined here and in examples/; Ray workers can import neither folder.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(train_hf)
 
 pytestmark = pytest.mark.timeout(300)
 
-WINDOW = 32
 GLOBAL_BATCH = 32
 MAX_STEPS = 40
 STEP_S = 0.05
-
-
-def gpt2_config():
-    return transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=64)
-
-
-class ByteWindows(torch.utils.data.Dataset):
-    """Windows of WINDOW bytes of a Python source file: a tiny, fixed corpus with structure to learn."""
-
-    def __init__(self):
-        text = inspect.getsource(torch.nn.modules.linear).encode()
-        self.tokens = torch.tensor(list(text), dtype=torch.long)
-
-    def __len__(self):
-        return 256
-
-    def __getitem__(self, index):
-        start = index * (len(self.tokens) - WINDOW) // len(self)
-        return self.tokens[start:start + WINDOW]
 
 
 def gpt2_loop(config: dict) -> dict:
@@ -110,3 +94,12 @@ def test_a_hugging_face_gpt2_heals_grows_back_keeps_its_output_type_under_bf16_a
 def _initial_gpt2():
     torch.manual_seed(0)  # as the loop builds it
     return transformers.GPT2LMHeadModel(gpt2_config())
+
+
+def test_the_hugging_face_example_heals_an_injected_kill_and_its_loss_falls(local_ray, tmp_path):
+    result = train_hf.train(str(tmp_path), steps=30, faults=(elastic.Fault(kind="kill", rank=1, step=10),),
+                            show_progress=False)
+    assert result.step == 30
+    assert [e["kind"] for e in result.events_of("worker_failed")] == ["death"]
+    assert "heal" in [e["kind"] for e in result.events_of("generation_formed")]
+    assert result.metrics["loss"] < 0.9 * result.value["first_loss"]
