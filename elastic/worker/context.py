@@ -92,7 +92,7 @@ def prepare_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     return get_context().prepare_optimizer(optimizer)
 
 
-def prepare_data_loader(loader: torch.utils.data.DataLoader) -> LoaderSteps:
+def prepare_data_loader(loader: torch.utils.data.DataLoader) -> LoaderSteps | EvaluationShards:
     """`get_context().prepare_data_loader`, spelled as Ray Train's `ray.train.torch.prepare_data_loader`."""
     return get_context().prepare_data_loader(loader)
 
@@ -168,16 +168,6 @@ class TrainContext(ReplicaCoordinates):
     rank: int = property(lambda self: self.membership.rank)
     world_size: int = property(lambda self: self.membership.world_size)
     local_rank: int = property(lambda self: self.membership.spec.local_rank if self.membership.spec else -1)
-
-    # Ray Train's names for the same (`ray.train.get_context()`).
-    def get_world_rank(self) -> int:
-        return self.rank
-
-    def get_world_size(self) -> int:
-        return self.world_size
-
-    def get_local_rank(self) -> int:
-        return self.local_rank
     generation: int = property(lambda self: self.membership.generation)
     step: int = property(lambda self: self._progress.step, doc="Optimizer steps committed so far in the run.")
     num_replicas: int = property(lambda self: self.membership.num_replicas, doc="Replicas in the current "
@@ -188,6 +178,16 @@ class TrainContext(ReplicaCoordinates):
                                                     "generation's number and its groups' connections; any thread.")
     checkpoint: Checkpoint | None = property(lambda self: self.membership.checkpoint,
                                              doc="The checkpoint this rank restored at a restart.")
+
+    # Ray Train's names for the same (`ray.train.get_context()`).
+    def get_world_rank(self) -> int:
+        return self.rank
+
+    def get_world_size(self) -> int:
+        return self.world_size
+
+    def get_local_rank(self) -> int:
+        return self.local_rank
 
     def prepare_model(self, model: torch.nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                       | None = None, **options: Any) -> Any:
@@ -214,7 +214,7 @@ class TrainContext(ReplicaCoordinates):
                     hook.remove()  # known now: no cost in later steps
 
             hook = returned.register_forward_pre_hook(called_in_a_step)
-        if self.loader_steps is not None:
+        if self.loader_steps is not None and isinstance(returned, torch.nn.Module):
             self._weigh_outputs(returned)
         return returned
 
