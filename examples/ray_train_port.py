@@ -9,7 +9,6 @@ The diff against Ray's script, all of it:
   TorchTrainer` become `import elastic` / `from elastic import DataConfig, ElasticTrainer,
   RunConfig, ScalingConfig`; `ray.train.torch.prepare_*` and `ray.train.report` become
   `elastic.prepare_*` and `elastic.report`, `ray.train.get_context()` `elastic.get_context()`;
-- the optimizer goes through `elastic.prepare_optimizer` (its step commits each step);
 - `ray.train.torch.enable_reproducibility()` becomes `torch.manual_seed(0)`: elastic syncs every
   rank's random streams itself;
 - `TorchTrainer(...)` becomes `ElasticTrainer(...)`, with the `DataConfig` that fixes the global
@@ -91,7 +90,7 @@ def train_func_per_worker(config: Dict):
     model = elastic.prepare_model(model)
 
     loss_fn = nn.CrossEntropyLoss()
-    optimizer = elastic.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
     for epoch in range(epochs):
         if elastic.get_context().get_world_size() > 1:

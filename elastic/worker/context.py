@@ -23,13 +23,13 @@ moves only then.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 import warnings
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from elastic.checkpoint.checkpoint import Checkpoint, CheckpointWriter
 from elastic.comm.collectives import Collectives
@@ -242,8 +242,27 @@ class TrainContext(ReplicaCoordinates):
         if isinstance(self._prepared.returned, torch.nn.Module):
             self._weigh_outputs(self._prepared.returned)
         if self.stepping.optimizer is not None:
-            self._skip_failed_steps(self.stepping.optimizer)
+            self.stepping.optimizer.register_step_pre_hook(self._nothing_to_step_if_failed)
+        else:
+            # Ray Train's loops prepare no optimizer: the first that steps the model's parameters
+            # inside a step is prepared then. (A global hook is never removed while torch iterates
+            # the global hooks; past that, it returns at once.)
+            register_optimizer_step_pre_hook(self._prepare_when_stepped)
         return self.loader_steps
+
+    def _prepare_when_stepped(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if self.stepping.optimizer is not None or self.stepping.current is None:
+            return
+        model = self._prepared.returned
+        params = {id(p) for p in model.parameters()} if isinstance(model, torch.nn.Module) else set()
+        if not any(id(p) in params for group in optimizer.param_groups for p in group["params"]):
+            return
+        if self.membership.checkpoint is not None:
+            self._warn("optimizer_not_restored",
+                       f"the optimizer was prepared at its first step, after rank {self.rank} restored checkpoint "
+                       f"{self.membership.checkpoint.path}: its state (momentum, Adam's moments) starts afresh. Pass "
+                       "it through elastic.prepare_optimizer(optimizer) before the loop to resume it.")
+        self.prepare_optimizer(optimizer)
 
     def _weigh_outputs(self, model: torch.nn.Module) -> None:
         model.register_forward_hook(lambda module, args, output: self.loader_steps.weigh(output))
@@ -253,19 +272,13 @@ class TrainContext(ReplicaCoordinates):
         if step is not None and step.failed is None:
             step.failed = why
 
-    def _skip_failed_steps(self, optimizer: torch.optim.Optimizer) -> None:
-        """In Ray Train's loop shape the loop steps the optimizer after a failed backward too: that
-        step does nothing (its gradients are this rank's alone), and the next batch heals."""
-        stepped = optimizer.step
-
-        @functools.wraps(stepped)
-        def step(*args: Any, **kwargs: Any) -> Any:
-            current = self.stepping.current
-            if current is not None and current.failed is not None:
-                return None
-            return stepped(*args, **kwargs)
-
-        optimizer.step = step
+    def _nothing_to_step_if_failed(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """In Ray Train's loop shape the loop steps the optimizer after a failed backward too: with
+        no gradients torch's optimizers leave every parameter and state as it is (and the step
+        does not commit), and the next batch heals."""
+        current = self.stepping.current
+        if current is not None and current.failed is not None:
+            optimizer.zero_grad(set_to_none=True)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Register `optimizer` for healing; its `step()` commits the current global step.
@@ -282,7 +295,7 @@ class TrainContext(ReplicaCoordinates):
         self.techniques.hook_optimizer(optimizer, lambda: (self.step, self.world_size), self.membership.launch_average)
         optimizer.register_step_post_hook(lambda *_: self.stepping.commit())
         if self.loader_steps is not None:
-            self._skip_failed_steps(optimizer)
+            optimizer.register_step_pre_hook(self._nothing_to_step_if_failed)
         return optimizer
 
     def autocast(self):

@@ -93,9 +93,9 @@ class LoaderSteps:
             return
         if not self._optimizer_prepared():
             raise ElasticError(
-                "a step of the prepared data loader ended, and no optimizer was prepared: in Ray Train's loop shape "
-                "the optimizer's step commits each step and does nothing in a step a peer's death interrupted, and "
-                "its state is synced and checkpointed. Pass it through elastic.prepare_optimizer(optimizer)")
+                "a step of the prepared data loader ended, and no optimizer stepped the prepared model's parameters "
+                "in it: the optimizer's step commits each step. Step an optimizer over model.parameters() after "
+                "loss.backward(), and pass it through elastic.prepare_optimizer(optimizer) to sync its state")
         if step.failed is None:
             step.__exit__(None, None, None)
             return

@@ -47,8 +47,8 @@ class Stepping:
 
     def commit(self) -> None:
         step = self.current
-        if step is None or step.committed:
-            return
+        if step is None or step.committed or step.failed is not None:
+            return  # (a failed step is rolled back and redone: Ray Train's loop shape steps it anyway)
         step.committed = True
         self._techniques.committed()
         self._progress.step += 1
