@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import elastic
 from elastic import DataConfig, ElasticTrainer, RunConfig, ScalingConfig
 
-TRAIN_SAMPLES, TEST_SAMPLES = 2048, 512
+TRAIN_SAMPLES, TEST_SAMPLES = 1024, 256
 GLOBAL_BATCH_SIZE = 32  # Ray's example: 32, split over its workers
 
 

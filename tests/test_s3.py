@@ -104,7 +104,7 @@ def _frozen_store_run(tmp_path, freeze_s: float):
         yield result, RunStorage("bucket/runs", "frozen-store", fs), committed, window
 
 
-FREEZE_AT, EVERY, STALL_STEPS = 40, 10, 240
+FREEZE_AT, EVERY, STALL_STEPS = 40, 10, 160
 
 
 def test_a_frozen_store_never_stalls_training_and_every_event_and_checkpoint_lands_once_it_thaws(local_ray, tmp_path):
