@@ -1,0 +1,55 @@
+"""On a GPU, elastic adds no host-device synchronization to a steady step (issue 40, part 1).
+
+Twenty steady steps run under `torch.cuda.set_sync_debug_mode("error")`, which raises at any
+call that makes the host wait for the device; the loop itself makes none (it reads no loss), so
+an error names a call of elastic's, and fails the run with its traceback. Skipped without CUDA;
+`sh tests/gpu_check.sh` runs it where there is a GPU.
+"""
+
+import sys
+
+import pytest
+import ray
+import torch
+
+import elastic
+from elastic import DataConfig, ElasticTrainer, RunConfig, ScalingConfig
+from workloads import GLOBAL_BATCH, build_mlp, regression_data
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.timeout(300)]
+
+# The train loop below is defined here; Ray workers cannot import the tests folder.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+WARMUP, WATCHED = 5, 20
+
+
+def watched_loop(config: dict) -> dict:
+    ctx = elastic.get_context()
+    model = ctx.prepare_model(build_mlp())
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    for step in ctx.steps(regression_data()):
+        if step.index == WARMUP:
+            torch.cuda.set_sync_debug_mode("error")
+        with step:
+            for mb in step.micro_batches():
+                mb.backward(torch.nn.functional.mse_loss(model(mb.data[0]), mb.data[1]))
+            optimizer.step()
+            optimizer.zero_grad()
+        if step.index == WARMUP + WATCHED - 1:
+            torch.cuda.set_sync_debug_mode("default")
+    return {"device": str(next(model.parameters()).device)}
+
+
+def test_a_steady_step_on_a_gpu_makes_the_host_wait_for_the_device_nowhere(tmp_path):
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    result = ElasticTrainer(
+        watched_loop,
+        scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
+        run_config=RunConfig(name="gpu-steady", storage_path=str(tmp_path)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=WARMUP + WATCHED + 2),
+        show_progress=False,
+    ).fit()
+    assert result.value["device"].startswith("cuda") and result.step == WARMUP + WATCHED + 2
