@@ -366,3 +366,19 @@ def test_a_written_snapshot_gives_its_buffers_to_the_next_and_a_snapshot_still_h
     write_manifest(run, first.progress, 1, reports[0]["files"], {})
     assert torch.equal(Checkpoint(written, json.loads(written.read_text("manifest.json"))).load_state()["w"],
                        torch.arange(6.0))
+
+
+def test_a_report_that_cannot_reach_the_controller_neither_stops_the_writer_nor_holds_up_its_wait(run):
+    reports = []
+
+    def on_written(report):
+        if not reports:
+            reports.append(None)
+            raise ConnectionError("the controller is gone")
+        reports.append(report)
+
+    writer = CheckpointWriter(run, on_written=on_written)
+    for step in (1, 2):
+        writer.submit(take_snapshot({"t": torch.ones(2)}, {"step": step, "cursor": {}}), 0, 1, 0.0, {}, {})
+        writer.wait()  # returns though the first report raised
+    assert reports[0] is None and reports[1]["step"] == 2 and "error" not in reports[1]

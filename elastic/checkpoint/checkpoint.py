@@ -33,6 +33,7 @@ import functools
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import tempfile
@@ -52,6 +53,8 @@ from elastic.checkpoint.storage import RunStorage
 from elastic.comm.flat_state import describe, gather, numel, unflatten
 from elastic.data.order import share_bounds
 from elastic.errors import ElasticError
+
+_log = logging.getLogger(__name__)
 
 # 3: shards are safetensors files (`tensor_file`); 1 and 2 wrote them with torch.save (".pt").
 # 2: each file lies under the folder of the generation that wrote it (its manifest entry's
@@ -455,16 +458,19 @@ class CheckpointWriter:
                 skipped, self._skipped = self._skipped, []
                 upload, self._waiting = self._waiting, None
                 self._uploading = True
-            for report in skipped:
-                self.on_written(report)
-            if upload is not None:
-                try:
+            try:
+                for report in skipped:
+                    self.on_written(report)
+                if upload is not None:
                     upload.write()
-                finally:
+            except Exception:  # telling the controller failed (it is gone): the next upload tries again
+                _log.exception("a checkpoint report did not reach the controller")
+            finally:
+                if upload is not None:
                     upload.snapshot.release()
-            with self._changed:
-                self._uploading = False
-                self._changed.notify_all()
+                with self._changed:
+                    self._uploading = False
+                    self._changed.notify_all()
 
     def _write(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
                user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: Callable[[], None] | None,
