@@ -36,8 +36,8 @@ from elastic.controller.states import Failed, Formation
 from elastic.faults import Fault
 from elastic.journal.events import EventJournal, read_events
 from elastic.journal.resume import resume
-from elastic.worker.injection import die
 from elastic.parallel.replicas import ReplicaShape
+from elastic.worker.injection import die
 
 NODE_ID_LABEL = "ray.io/node-id"  # a label Ray gives every node
 TICK_S = 0.5

@@ -477,8 +477,6 @@ def _stall_loop(config: dict[str, Any]) -> None:
 
 
 def _store_stall_round(freeze_s: float, folder: str) -> dict[str, Any]:
-    import threading
-
     import ray
 
     from elastic.checkpoint.checkpoint import checkpoint_storage, verify
@@ -486,7 +484,6 @@ def _store_stall_round(freeze_s: float, folder: str) -> dict[str, Any]:
     from elastic.s3_server import S3Server
 
     log = os.path.join(folder, "steps.log")
-    window: dict[str, float] = {}
     max_steps = STALL_FREEZE_AT + int((freeze_s + 2 * STALL_AFTER_S) / STALL_SLEEP_S)
     with S3Server() as server:
         fs = server.filesystem(connect_timeout=1, request_timeout=STALL_REQUEST_TIMEOUT_S)
@@ -498,17 +495,7 @@ def _store_stall_round(freeze_s: float, folder: str) -> dict[str, Any]:
             with open(log) as f:
                 return [(int(a), float(b)) for a, b in (line.split() for line in f.read().splitlines())]
 
-        def freeze() -> None:
-            while len(committed()) < STALL_FREEZE_AT:
-                time.sleep(0.01)
-            server.freeze()
-            window["frozen"] = time.time()
-            time.sleep(freeze_s)
-            window["thawed"] = time.time()
-            server.thaw()
-
-        freezer = threading.Thread(target=freeze, daemon=True)
-        freezer.start()
+        freeze = server.freeze_when(lambda: len(committed()) >= STALL_FREEZE_AT, freeze_s)
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
         ray.init(address="local", num_cpus=WORLD_SIZE, include_dashboard=False, log_to_driver=False)
         try:
@@ -522,7 +509,8 @@ def _store_stall_round(freeze_s: float, folder: str) -> dict[str, Any]:
             ).fit()
         finally:
             ray.shutdown()
-        freezer.join()
+        freeze.join()
+        window = {"frozen": freeze.frozen, "thawed": freeze.thawed}
         stamps = committed()
         before = [t for s, t in stamps if s < STALL_FREEZE_AT]
         median_step = statistics.median(b - a for a, b in zip(before, before[1:]))

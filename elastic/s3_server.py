@@ -9,6 +9,8 @@ or a gateway that hangs does. A public testing tool beside `elastic.testing.Netw
         fs.create_dir("bucket")
         server.freeze()                          # SIGSTOP: connections open, nothing answers
         server.thaw()                            # SIGCONT: it answers again, every object kept
+        freeze = server.freeze_when(lambda: step_reached(40), seconds=5)   # later, on its own thread
+        freeze.join(); freeze.frozen, freeze.thawed
 
 Needs `moto[server]` (the test extra).
 """
@@ -20,9 +22,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow.fs as pafs
 
@@ -72,7 +75,32 @@ class S3Server:
     def thaw(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
 
+    def freeze_when(self, ready: Callable[[], bool], seconds: float) -> "Freeze":
+        """Freeze for `seconds` once `ready()` holds (polled every 10 ms), on a thread of its own,
+        started: a store that stops answering at a moment of the run the caller names."""
+        freeze = Freeze(self, ready, seconds)
+        freeze.start()
+        return freeze
+
     def filesystem(self, **options: Any) -> pafs.S3FileSystem:
         """A pyarrow filesystem on this server (`options` as pyarrow.fs.S3FileSystem takes them)."""
         return pafs.S3FileSystem(endpoint_override=self.endpoint, scheme="http", access_key="testing",
                                  secret_key="testing", region="us-east-1", **options)
+
+
+class Freeze(threading.Thread):
+    """One freeze of an `S3Server`; `frozen` and `thawed` are the Unix times it began and ended."""
+
+    def __init__(self, server: S3Server, ready: Callable[[], bool], seconds: float) -> None:
+        super().__init__(daemon=True, name="s3-server-freeze")
+        self.server, self.ready, self.seconds = server, ready, seconds
+        self.frozen = self.thawed = 0.0
+
+    def run(self) -> None:
+        while not self.ready():
+            time.sleep(0.01)
+        self.server.freeze()
+        self.frozen = time.time()
+        time.sleep(self.seconds)
+        self.thawed = time.time()
+        self.server.thaw()

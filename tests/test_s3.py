@@ -3,9 +3,6 @@ free local port, reached through pyarrow.fs.S3FileSystem with an endpoint overri
 that stops answering, one in a process of its own, frozen with SIGSTOP (`elastic.s3_server`).
 """
 
-import threading
-import time
-
 import pyarrow.fs as pafs
 import pytest
 import torch
@@ -73,23 +70,11 @@ def _frozen_store_run(tmp_path, freeze_s: float):
     (SIGSTOP) for `freeze_s` once step FREEZE_AT committed: (result, the run's storage, when each
     step committed, the freeze's start and end)."""
     log = tmp_path / "steps.log"
-    window = {}
 
     with S3Server() as server:
         fs = server.filesystem(connect_timeout=1, request_timeout=2)
         server.filesystem(allow_bucket_creation=True).create_dir("bucket")
-
-        def freeze_at_step():
-            while not log.exists() or len(log.read_text().splitlines()) < FREEZE_AT:
-                time.sleep(0.01)
-            server.freeze()
-            window["frozen"] = time.time()
-            time.sleep(freeze_s)
-            window["thawed"] = time.time()
-            server.thaw()
-
-        freezer = threading.Thread(target=freeze_at_step, daemon=True)
-        freezer.start()
+        freeze = server.freeze_when(lambda: log.exists() and len(log.read_text().splitlines()) >= FREEZE_AT, freeze_s)
         result = ElasticTrainer(
             regression_loop,
             train_loop_config={"max_steps": STALL_STEPS, "sleep_s": 0.05, "step_log": str(log)},
@@ -99,9 +84,10 @@ def _frozen_store_run(tmp_path, freeze_s: float):
             data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=STALL_STEPS),
             show_progress=False,
         ).fit()
-        freezer.join()
+        freeze.join()
         committed = {int(s): float(t) for s, t in (line.split() for line in log.read_text().splitlines())}
-        yield result, RunStorage("bucket/runs", "frozen-store", fs), committed, window
+        yield result, RunStorage("bucket/runs", "frozen-store", fs), committed, {"frozen": freeze.frozen,
+                                                                                "thawed": freeze.thawed}
 
 
 FREEZE_AT, EVERY, STALL_STEPS = 40, 10, 160
