@@ -81,7 +81,9 @@ def regression_loop(config: dict) -> dict:
     dtype = getattr(torch, config.get("dtype", "float64"))
     dataset = regression_data(config.get("num_samples", NUM_SAMPLES), dtype)
     model = ctx.prepare_model(build_mlp(config.get("hidden", 32), dtype))
-    optimizer = ctx.prepare_optimizer(regression_optimizer(model.parameters(), config))
+    optimizer = regression_optimizer(model.parameters(), config)
+    if config.get("prepare_optimizer", True):
+        optimizer = ctx.prepare_optimizer(optimizer)
     epochs = -(-config["max_steps"] // STEPS_PER_EPOCH)
     ledger = torch.zeros(epochs, NUM_SAMPLES, dtype=torch.float64)
     ctx.register_state("ledger", ledger)

@@ -205,6 +205,7 @@ class TrainContext(ReplicaCoordinates):
         self._prepared = prepare(self._place, self.techniques, model, self._objects, loss_fn, **options)
         returned = self._prepared.returned
         if isinstance(returned, torch.nn.Module):  # the data-parallel kinds, which the loop calls itself
+            self.stepping.model = returned
             self.model_called = False
             hook = None
 
@@ -243,14 +244,15 @@ class TrainContext(ReplicaCoordinates):
             self._weigh_outputs(self._prepared.returned)
         if self.stepping.optimizer is not None:
             self.stepping.optimizer.register_step_pre_hook(self._nothing_to_step_if_failed)
-        else:
-            # Ray Train's loops prepare no optimizer: the first that steps the model's parameters
-            # inside a step is prepared then. (A global hook is never removed while torch iterates
-            # the global hooks; past that, it returns at once.)
-            register_optimizer_step_pre_hook(self._prepare_when_stepped)
         return self.loader_steps
 
     def _prepare_when_stepped(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """A global optimizer pre-hook, registered by `steps()` when no optimizer was prepared: the
+        first optimizer that steps the model's parameters inside a step is prepared then, as Ray
+        Train's loops prepare none. Unprepared, its state would not be synced to a newcomer, a heal
+        would not agree that every rank averaged its gradients before any stepped, and a rolled-back
+        step's gradients would stay in it. (A global hook is never removed while torch iterates the
+        global hooks; past its first use it returns at once.)"""
         if self.stepping.optimizer is not None or self.stepping.current is None:
             return
         model = self._prepared.returned
@@ -262,7 +264,10 @@ class TrainContext(ReplicaCoordinates):
                        f"the optimizer was prepared at its first step, after rank {self.rank} restored checkpoint "
                        f"{self.membership.checkpoint.path}: its state (momentum, Adam's moments) starts afresh. Pass "
                        "it through elastic.prepare_optimizer(optimizer) before the loop to resume it.")
-        self.prepare_optimizer(optimizer)
+        if self.prepare_optimizer(optimizer) is not optimizer:
+            raise ElasticError(f"this run's Strategy wraps the optimizer ({type(self.stepping.optimizer).__name__}): "
+                               "pass it through ctx.prepare_optimizer(optimizer) before the loop and step the one "
+                               "it returns")
 
     def _weigh_outputs(self, model: torch.nn.Module) -> None:
         model.register_forward_hook(lambda module, args, output: self.loader_steps.weigh(output))
@@ -395,6 +400,8 @@ class TrainContext(ReplicaCoordinates):
         loader = self.batching.open(dataset, self._objects)
         self.entered_steps = True
         self.probe.train_thread = threading.get_ident()
+        if self.stepping.optimizer is None:
+            register_optimizer_step_pre_hook(self._prepare_when_stepped)
         self._join(reason="start")
         max_steps = self.data_config.max_steps
         # The steady path runs this loop's body once a step, right after the step's compute has

@@ -43,6 +43,7 @@ class Stepping:
         self._report_sink = report_sink
         self.current: Step | None = None  # the step the train loop holds
         self.optimizer: torch.optim.Optimizer | None = None
+        self.model: torch.nn.Module | None = None  # the prepared model, where the loop calls it
         self.compute_s = 0.0  # the last step's own compute, for the faults that slow a rank
 
     def commit(self) -> None:
@@ -74,8 +75,11 @@ class Stepping:
             if not step.committed:
                 # The techniques first: the overlapped optimizer may still be stepping on the gradients.
                 self._techniques.failed()
-                if self.optimizer is not None:
-                    self.optimizer.zero_grad(set_to_none=True)
+                # The model's own too: a step that failed before the optimizer was prepared (at its
+                # first step()) left them there, and the redo would add to them.
+                for holder in (self.optimizer, self.model):
+                    if holder is not None:
+                        holder.zero_grad(set_to_none=True)
                 self._random.rewind()
             return True
         return False
