@@ -252,7 +252,7 @@ def _measure_in_subprocess(label: str, name: str, params: dict[str, Any], timeou
         try:
             code = child.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_session(child.pid)
+            kill_session(child.pid)
             child.wait()
             code = None
     took = time.time() - began
@@ -267,7 +267,7 @@ def _measure_in_subprocess(label: str, name: str, params: dict[str, Any], timeou
     return {"error": f"{why}; log: {log_path}"}
 
 
-def _kill_session(session_id: int) -> None:
+def kill_session(session_id: int) -> None:
     """SIGKILL every process of a session this script started; Ray workers sit in process groups of their own."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

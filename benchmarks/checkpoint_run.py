@@ -68,7 +68,7 @@ from torch.utils.data import TensorDataset
 
 import elastic
 from elastic.checkpoint.checkpoint import file_path
-from benchmarks.bench import DEFAULT_OUT, REPO_ROOT, _kill_session, merge_figures
+from benchmarks.bench import DEFAULT_OUT, REPO_ROOT, kill_session, merge_figures
 
 IN_FEATURES = 1024
 HIDDEN = 4096
@@ -274,7 +274,7 @@ def _run_round(label: str, storage: str, checkpoints: int, log_dir: str) -> dict
         try:
             code = child.wait(timeout=ROUND_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            _kill_session(child.pid)
+            kill_session(child.pid)
             child.wait()
             code = None
     if code == 0 and os.path.exists(result_path):
