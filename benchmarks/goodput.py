@@ -26,10 +26,11 @@ Per system and setting:
 - `goodput.<setting>.<system>`: committed samples per second over the window divided by that
   system's fault-free rate. Committed means in the run's final lineage: a step redone after a
   restore from a checkpoint counts once, the undone attempt not at all;
-- `steps_lost_per_failure.<setting>.<system>`: committed steps redone after each death;
-- `recovery_s.<setting>.<system>`: seconds from each death to the next committed step;
-- `final_probe_loss.<setting>.<system>`: the loss on a fixed probe batch at the last probed step;
-- elastic's probe losses against its fault-free run at the same steps (`probe_rel_diff`).
+- `goodput_steps_lost.<setting>.<system>`: committed steps redone after each death (median);
+- `goodput_recovery_s.<setting>.<system>`: seconds from each death to the next committed step (median);
+- `goodput_final_probe_loss.<setting>.<system>`: the loss on a fixed probe batch at the last probed step;
+- `goodput_probe_rel_diff.<setting>.<system>` (elastic): the largest relative difference of its probe
+  losses from its fault-free run's at the same steps.
 Min, median and max over the rounds land in benchmarks/results/bench.json (`merge_figures`), the
 committed steps over wall time of the last round in benchmarks/results/goodput.png.
 """
@@ -57,9 +58,10 @@ START_TIMEOUT_S = 240.0
 PLOT = os.path.join(REPO_ROOT, "benchmarks", "results", "goodput.png")
 DEFINITIONS = {
     "goodput": "committed samples per second over the window / the same system's fault-free rate (benchmarks/goodput.py)",
-    "steps_lost_per_failure": "committed steps redone after each death: the median over the run's deaths",
-    "recovery_s": "seconds from each death to the next committed step: the median over the run's deaths",
-    "final_probe_loss": "loss on a fixed probe batch at the last probed step in the window",
+    "goodput_steps_lost": "committed steps redone after each death: the median over the run's deaths",
+    "goodput_recovery_s": "seconds from each death to the next committed step: the median over the run's deaths",
+    "goodput_final_probe_loss": "loss on a fixed probe batch at the last probed step in the window",
+    "goodput_probe_rel_diff": "elastic: largest relative difference of its probe losses from its fault-free run's",
 }
 
 
@@ -181,14 +183,14 @@ def _figures(outcome: dict[str, Any], calm: dict[str, Any], system: str) -> dict
     probes = outcome["probes"]
     figures = {
         "goodput": outcome["samples_per_s"] / calm["samples_per_s"],
-        "recovery_s": statistics.median(recoveries) if recoveries else None,
-        "steps_lost_per_failure": statistics.median(lost) if lost else None,
-        "final_probe_loss": probes[max(probes)] if probes else None,
+        "goodput_recovery_s": statistics.median(recoveries) if recoveries else None,
+        "goodput_steps_lost": statistics.median(lost) if lost else None,
+        "goodput_final_probe_loss": probes[max(probes)] if probes else None,
     }
     if system.startswith("elastic"):
         # elastic's math is the same at every world size: its probes match its fault-free run's.
         shared = set(probes) & set(calm["probes"])
-        figures["probe_rel_diff"] = max((abs(probes[s] - calm["probes"][s]) / abs(calm["probes"][s]) for s in shared),
+        figures["goodput_probe_rel_diff"] = max((abs(probes[s] - calm["probes"][s]) / abs(calm["probes"][s]) for s in shared),
                                         default=None)
     return figures
 
