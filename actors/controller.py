@@ -3,7 +3,7 @@
 Every decision lives in `elastic.controller.protocol`. This actor only turns what Ray tells it into
 observations (a worker is ready, its `run` call ended or failed, its group broke, it formed a
 generation) and carries out the actions the protocol returns: start workers, prepare, offer
-or abort a generation, kill a worker, poll progress, journal an event. Observations queue on
+or abort a generation, kill a worker, read the members' hang probes, journal an event. Observations queue on
 one asyncio inbox, so the protocol sees them one at a time.
 """
 
@@ -30,7 +30,7 @@ from elastic.checkpoint.storage import RunStorage
 from elastic.comm.group import GenerationSpec, abort_generation, forget_generation
 from elastic.config import DataConfig, RunConfig, ScalingConfig, Strategy
 from elastic.controller import policies, signals
-from elastic.controller.progress import ProgressTracker
+from elastic.controller.tally import RunTally
 from elastic.controller.protocol import Protocol, Status
 from elastic.controller.states import Failed, Formation
 from elastic.faults import Fault
@@ -91,7 +91,7 @@ class Controller:
         self.placement_groups: dict[int, PlacementGroup] = {}  # by replica, in a run of replicas
         self.avoided: set[str] = set()
         self.metrics = RunMetrics(spec.run.name)
-        self.progress = ProgressTracker(spec.data.global_batch_size, spec.data.max_steps)
+        self.tally = RunTally(spec.data.global_batch_size, spec.data.max_steps)
         self.latest_checkpoint: Checkpoint | None = None
         self.shards = ShardCollector(self.storage, spec.run.checkpoint_config.keep_last)
         # Manifests and retention deletes, one at a time and in order, on a thread of their own:
@@ -143,7 +143,7 @@ class Controller:
         events = self.journal.events
         return {
             "state": self.protocol.state.name,
-            **self.progress.snapshot(),
+            **self.tally.snapshot(),
             "world_size": len(self.protocol.members),
             "generation": self.protocol.running,
             "last_event": events[-1]["type"] if events else "",
@@ -166,8 +166,8 @@ class Controller:
     async def ingest(self, worker_id: int, items: list[dict[str, Any]]) -> None:
         if self._fenced(worker_id, "reports"):
             return
-        self.progress.ingest(worker_id, items)
-        self.protocol.note_step(self.progress.reported_step)
+        self.tally.ingest(worker_id, items)
+        self.protocol.note_step(self.tally.reported_step)
 
     async def warn(self, worker_id: int, kind: str, message: str) -> None:
         """A worker saw the train loop misuse the API (`TrainContext`): journaled once per kind; the driver warns."""
@@ -180,8 +180,8 @@ class Controller:
         return self.latest_checkpoint
 
     async def fault_fired(self, worker_id: int, fault: str, step: int, note: str = "") -> None:
-        self.progress.note_step(step)
-        self.protocol.note_step(self.progress.latest_step)  # committed, though its report may never come
+        self.tally.note_step(step)
+        self.protocol.note_step(self.tally.latest_step)  # committed, though its report may never come
         self.journal.emit("fault_injected", worker_id=worker_id, fault=fault, step=step, attempt=self.spec.attempt,
                           **({"note": note} if note else {}))
         if not fault.startswith("controller-kill:"):
@@ -251,7 +251,7 @@ class Controller:
                     ray.kill(self.handles[action.worker_id])
                 else:
                     self.kill_when_created.add(action.worker_id)  # a replica's mate still being created
-            elif isinstance(action, signals.PollProgress):
+            elif isinstance(action, signals.ReadProbes):
                 asyncio.ensure_future(self._poll(action.members))
         if self.journal.due:
             self.journal.flush_soon()
@@ -296,13 +296,13 @@ class Controller:
     async def _poll(self, members: tuple[int, ...]) -> None:
         """Ping `members`; one whose call failed is left out: its process died, and its outstanding
         `run` call reports the death (a death is not an unreachable member)."""
-        async def one(worker_id: int) -> signals.WorkerProgress | None | object:
-            answer = await _answer_within(self.handles[worker_id].progress.remote(),
+        async def one(worker_id: int) -> signals.ProbeReading | None | object:
+            answer = await _answer_within(self.handles[worker_id].read_probe.remote(),
                                           self.spec.run.failure_config.ping_timeout_s)
-            return signals.WorkerProgress(**answer) if isinstance(answer, dict) else answer
+            return signals.ProbeReading(**answer) if isinstance(answer, dict) else answer
 
         answers = await asyncio.gather(*(one(w) for w in members))
-        self.inbox.put_nowait(signals.ProgressPolled({w: a for w, a in zip(members, answers) if a is not _DIED}))
+        self.inbox.put_nowait(signals.ProbesRead({w: a for w, a in zip(members, answers) if a is not _DIED}))
 
     async def _start_workers(self, worker_ids: tuple[int, ...]) -> None:
         """Place the workers here, create their actors on a thread, then watch them here. Ray's
@@ -389,30 +389,30 @@ class Controller:
         config = self.spec.run.failure_config
         while True:
             await asyncio.sleep(TICK_S)
-            deadline = policies.hang_deadline(self.progress.step_times, config.hang_factor, config.hang_floor_s,
+            deadline = policies.hang_deadline(self.tally.step_times, config.hang_factor, config.hang_floor_s,
                                               config.hang_ceiling_s)
             straggler = None
             if config.straggler_factor is not None:
                 members = self.protocol.members
-                compute = {w: self.progress.compute.get(w, {}) for w in members}
+                compute = {w: self.tally.compute.get(w, {}) for w in members}
                 straggler = (policies.find_straggler(compute, config.straggler_factor, config.straggler_steps)
-                             or policies.find_slow_link(self.progress.link_rates(members, config.straggler_steps),
+                             or policies.find_slow_link(self.tally.link_rates(members, config.straggler_steps),
                                                         compute, config.straggler_factor))
                 if straggler:
-                    self.progress.forget_stragglers()
-            reach = policies.reach_deadline(self.progress.step_times, config.reach_floor_s, config.reach_ceiling_s)
-            self.inbox.put_nowait(signals.Tick(self.progress.reported_step, self.progress.last_step_time, deadline,
+                    self.tally.forget_stragglers()
+            reach = policies.reach_deadline(self.tally.step_times, config.reach_floor_s, config.reach_ceiling_s)
+            self.inbox.put_nowait(signals.Tick(self.tally.reported_step, self.tally.last_step_time, deadline,
                                                reach, straggler))
-            self.metrics.update(self.progress.step_times, len(self.protocol.members), self.progress.samples_per_s(),
-                                self.progress.step, self._goodput())
-            sample = self.progress.sample()
+            self.metrics.update(self.tally.step_times, len(self.protocol.members), self.tally.samples_per_s(),
+                                self.tally.step, self._goodput())
+            sample = self.tally.sample()
             if sample:
                 self.journal.emit("metrics", world_size=len(self.protocol.members), **sample)
             self.journal.flush_soon()
 
     async def _stop_all(self) -> None:
         if self.protocol.finished:
-            self.journal.emit("run_finished", step=self.progress.step, goodput=self._goodput(),
+            self.journal.emit("run_finished", step=self.tally.step, goodput=self._goodput(),
                               wall_s=time.time() - self.started)
         else:
             self.journal.emit("run_failed", error=getattr(self.protocol.state, "error", "the controller stopped"))
@@ -429,7 +429,7 @@ class Controller:
 
     def _goodput(self) -> float:
         wall = time.time() - self.started
-        return self.progress.productive_s / wall if wall > 0 else 0.0
+        return self.tally.productive_s / wall if wall > 0 else 0.0
 
     def _result(self) -> dict[str, Any]:
         state = self.protocol.state
@@ -439,8 +439,8 @@ class Controller:
         return {
             "finished": self.protocol.finished,
             "failure": failure,
-            "metrics": self.progress.last_metrics,
-            "step": self.progress.step,
+            "metrics": self.tally.last_metrics,
+            "step": self.tally.step,
             "goodput": self._goodput(),
             "value": outcome.value if outcome else None,
             "model": outcome.model if outcome else None,

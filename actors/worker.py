@@ -1,7 +1,7 @@
 """The worker actor: one process that runs the user's train loop and joins generations.
 
 `run` occupies the "train" concurrency group for the whole run, so the controller's calls
-(prepare, offer or abort a generation, progress, ping) are answered by the "control" group
+(prepare, offer or abort a generation, read_probe, ping) are answered by the "control" group
 while training goes on. The worker pushes what the controller must learn (ready to join, its
 group broke, a generation formed) as one-way calls. The controller keeps the `run` call
 outstanding: if this process dies, the controller learns it from that call at once.
@@ -27,7 +27,7 @@ from elastic.comm.binding import bind_collectives_to
 from elastic.comm.generation import peer_failed
 from elastic.comm.group import GenerationSpec
 from elastic.config import CheckpointConfig, DataConfig, Strategy
-from elastic.controller.progress import LINK_MIN_BYTES
+from elastic.controller.tally import LINK_MIN_BYTES
 from elastic.errors import WorkerEvictedError
 from elastic.faults import Fault
 from elastic.parallel.replicas import ReplicaShape
@@ -138,12 +138,12 @@ class Worker:
             raylet.kill()
 
     @ray.method(concurrency_group="control")
-    def progress(self) -> dict[str, Any]:
+    def read_probe(self) -> dict[str, Any]:
         """Where the train thread is, and what the kernel says of its generation's links: the
         controller polls this while no step commits (a hang, an unreachable or a cut-off member)."""
         current = self.ctx.links
         silent = current[1].health().silent if current is not None else {}
-        return {**self.ctx.progress(), "address": self.address, "silent": silent}
+        return {**self.ctx.probe_reading(), "address": self.address, "silent": silent}
 
     @ray.method(concurrency_group="control")
     def info(self) -> dict[str, Any]:

@@ -14,15 +14,15 @@ from elastic.config import FailureConfig, ScalingConfig
 from elastic.controller.fake_group import MAX_STEPS, FakeWorkerGroup, death
 from elastic.controller.protocol import MAX_FAILED_FORMATIONS, Protocol, Status
 from elastic.controller.signals import (
-    PREPARE_SLACK_STEPS, Abort, FormedReport, GroupBroken, Offer, Prepare, ProgressPolled, ShardWritten, Tick,
-    WorkerProgress, WorkerReady, coalesce,
+    PREPARE_SLACK_STEPS, Abort, FormedReport, GroupBroken, Offer, Prepare, ProbesRead, ShardWritten, Tick,
+    ProbeReading, WorkerReady, coalesce,
 )
 from elastic.controller.states import Reason
 
 
 def progress(step=10, arrived=-1, checkpointing=False, entered_sync=None, connected=None):
     entered = step if entered_sync is None else entered_sync
-    return WorkerProgress(step=step, entered_sync=entered, launched=entered, arrived=arrived, checkpointing=checkpointing,
+    return ProbeReading(step=step, entered_sync=entered, launched=entered, arrived=arrived, checkpointing=checkpointing,
                           connected=arrived if connected is None else connected)
 
 
@@ -389,7 +389,7 @@ def test_a_stall_past_the_deadline_polls_the_members_and_kills_the_one_behind():
     assert not group.polls
     group.send(Tick(last_step_at=group.now - 6, deadline_s=5.0), after_s=6.0)
     assert group.polls[-1].members == (0, 1, 2)
-    group.send(ProgressPolled({0: progress(10), 1: progress(10, entered_sync=9), 2: progress(10)}))
+    group.send(ProbesRead({0: progress(10), 1: progress(10, entered_sync=9), 2: progress(10)}))
     assert group.killed == [1]
     assert group.events("worker_failed")[-1]["kind"] == "hang"
 
@@ -400,7 +400,7 @@ def test_a_member_that_answers_no_ping_is_unreachable_and_healed_around_before_r
     group.start_run(0, 1, 2)
     group.send(Tick(last_step_at=group.now, deadline_s=10.0, reach_deadline_s=0.5), after_s=0.8)
     assert group.polls[-1].members == (0, 1, 2), "a stall past the reach deadline pings every member"
-    group.send(ProgressPolled({0: progress(), 1: None, 2: progress()}))
+    group.send(ProbesRead({0: progress(), 1: None, 2: progress()}))
     assert group.killed == [1] and group.events("worker_failed")[-1]["kind"] == "unreachable"
     offer = group.latest_offer
     assert offer.formation.reason == Reason.HEAL and offer.formation.members == (0, 2), "no wait for its death"
@@ -415,11 +415,11 @@ def test_a_poll_that_no_member_answered_blames_nobody_and_the_next_one_asks_agai
     group = FakeWorkerGroup()
     group.start_run(0, 1)
     group.send(Tick(last_step_at=group.now, deadline_s=10.0, reach_deadline_s=0.5), after_s=0.8)
-    group.send(ProgressPolled({0: None, 1: None}))
+    group.send(ProbesRead({0: None, 1: None}))
     assert not group.killed and not group.events("worker_failed") and group.state == "RUNNING"
     group.send(Tick(last_step_at=group.now - 1.6, deadline_s=10.0, reach_deadline_s=0.5), after_s=0.8)
     assert len(group.polls) == 2, "no second poll"
-    group.send(ProgressPolled({0: progress(), 1: None}))
+    group.send(ProbesRead({0: progress(), 1: None}))
     assert group.killed == [1] and group.events("worker_failed")[-1]["kind"] == "unreachable"
 
 
@@ -429,7 +429,7 @@ def test_members_waiting_on_an_unreachable_peer_are_released_not_blamed():
     group = FakeWorkerGroup()
     group.start_run(0, 1, 2)
     group.send(Tick(last_step_at=group.now, deadline_s=2.0, reach_deadline_s=0.5), after_s=3.0)
-    group.send(ProgressPolled({0: progress(10, entered_sync=10), 1: None, 2: progress(10, entered_sync=9)}))
+    group.send(ProbesRead({0: progress(10, entered_sync=10), 1: None, 2: progress(10, entered_sync=9)}))
     assert group.killed == [1]
     assert [e["kind"] for e in group.events("worker_failed")] == ["unreachable"]
 
@@ -444,7 +444,7 @@ def test_a_member_connecting_a_generation_whose_peer_died_after_the_barrier_is_n
     group.die(2)
     offered = group.latest_offer.formation.generation
     group.send(Tick(last_step_at=group.now, deadline_s=2.0, reach_deadline_s=0.5), after_s=3.0)
-    group.send(ProgressPolled({0: progress(14, arrived=offered - 1, connected=offered - 2)}))
+    group.send(ProbesRead({0: progress(14, arrived=offered - 1, connected=offered - 2)}))
     assert group.killed == [] and group.state != "FAILED"
 
 
@@ -455,7 +455,7 @@ def test_an_unreachable_member_of_a_heal_aborts_it_and_the_next_offer_leaves_it_
     heal = group.latest_offer.formation
     group.form(members=(0,))
     group.send(Tick(last_step_at=group.now, deadline_s=10.0, reach_deadline_s=0.5), after_s=1.0)
-    group.send(ProgressPolled({0: progress(), 1: None}))
+    group.send(ProbesRead({0: progress(), 1: None}))
     assert heal.generation in group.aborted
     assert group.latest_offer.formation.members == (0,) and group.latest_offer.formation.generation > heal.generation
 
@@ -465,12 +465,12 @@ def test_a_ping_that_every_member_answers_neither_kills_nor_postpones_the_hang_d
     group.start_run(0, 1, 2)
     last_step = group.now
     group.send(Tick(last_step_at=last_step, deadline_s=5.0, reach_deadline_s=0.5), after_s=1.0)
-    group.send(ProgressPolled({0: progress(10), 1: progress(10, entered_sync=9), 2: progress(10)}))
+    group.send(ProbesRead({0: progress(10), 1: progress(10, entered_sync=9), 2: progress(10)}))
     assert group.killed == [], "short of the hang deadline a member that answers is left alone"
     group.send(Tick(last_step_at=last_step, deadline_s=5.0, reach_deadline_s=0.5), after_s=0.2)
     assert len(group.polls) == 1, "pinged again before another reach deadline passed"
     group.send(Tick(last_step_at=last_step, deadline_s=5.0, reach_deadline_s=0.5), after_s=4.5)
-    group.send(ProgressPolled({0: progress(10), 1: progress(10, entered_sync=9), 2: progress(10)}))
+    group.send(ProbesRead({0: progress(10), 1: progress(10, entered_sync=9), 2: progress(10)}))
     assert group.killed == [1] and group.events("worker_failed")[-1]["kind"] == "hang"
 
 
@@ -478,7 +478,7 @@ def test_the_recovery_from_an_unreachable_member_counts_from_the_last_committed_
     group = FakeWorkerGroup()
     group.start_run(0, 1, 2)
     group.send(Tick(last_step_at=group.now, deadline_s=10.0, reach_deadline_s=0.5), after_s=0.75)
-    group.send(ProgressPolled({0: progress(), 1: None, 2: progress()}), after_s=1.0)
+    group.send(ProbesRead({0: progress(), 1: None, 2: progress()}), after_s=1.0)
     group.form(step=10)
     [recovery] = group.events("recovery")
     assert recovery["detect_s"] == pytest.approx(0.75 + 1.0), "the stall until the ping, and the ping"
@@ -498,7 +498,7 @@ def test_a_member_cut_off_from_its_peers_while_all_answer_is_healed_around_and_t
     group = FakeWorkerGroup()
     group.start_run(0, 1, 2)
     group.send(Tick(last_step_at=group.now, deadline_s=10.0, reach_deadline_s=0.5), after_s=1.5)
-    group.send(ProgressPolled({0: _at("10.0.0.1", {"10.0.0.2": 1.4}), 1: _at("10.0.0.2", {"10.0.0.3": 1.2}),
+    group.send(ProbesRead({0: _at("10.0.0.1", {"10.0.0.2": 1.4}), 1: _at("10.0.0.2", {"10.0.0.3": 1.2}),
                                2: _at("10.0.0.3")}))
     assert group.killed == [1]
     [failed] = group.events("worker_failed")
@@ -514,7 +514,7 @@ def test_links_silent_for_less_than_link_silence_s_blame_nobody_yet():
     group = FakeWorkerGroup()
     group.start_run(0, 1, 2)
     group.send(Tick(last_step_at=group.now, deadline_s=10.0, reach_deadline_s=0.5), after_s=0.6)
-    group.send(ProgressPolled({0: _at("10.0.0.1", {"10.0.0.2": 0.5}), 1: _at("10.0.0.2"), 2: _at("10.0.0.3")}))
+    group.send(ProbesRead({0: _at("10.0.0.1", {"10.0.0.2": 0.5}), 1: _at("10.0.0.2"), 2: _at("10.0.0.3")}))
     assert group.killed == [] and not group.events("worker_failed")
 
 
@@ -522,7 +522,7 @@ def test_two_members_cut_from_each_other_lose_the_higher_rank_only():
     group = FakeWorkerGroup(min_workers=1)
     group.start_run(0, 1)
     group.send(Tick(last_step_at=group.now, deadline_s=10.0, reach_deadline_s=0.5), after_s=1.5)
-    group.send(ProgressPolled({0: _at("10.0.0.1", {"10.0.0.2": 1.4}), 1: _at("10.0.0.2", {"10.0.0.1": 1.4})}))
+    group.send(ProbesRead({0: _at("10.0.0.1", {"10.0.0.2": 1.4}), 1: _at("10.0.0.2", {"10.0.0.1": 1.4})}))
     assert group.killed == [1] and group.latest_offer.formation.members == (0,)
 
 
@@ -530,7 +530,7 @@ def test_members_that_all_answer_and_are_alike_are_not_killed_before_the_ceiling
     group = FakeWorkerGroup(hang_ceiling_s=60)
     group.start_run(0, 1, 2)
     group.send(Tick(deadline_s=5.0), after_s=10.0)
-    group.send(ProgressPolled({0: progress(), 1: progress(), 2: progress()}))
+    group.send(ProbesRead({0: progress(), 1: progress(), 2: progress()}))
     assert group.killed == []
 
 
@@ -538,7 +538,7 @@ def test_a_checkpoint_upload_holding_the_run_up_is_progress_not_a_hang():
     group = FakeWorkerGroup()
     group.start_run(0, 1, 2)
     group.send(Tick(deadline_s=1.0), after_s=2.0)
-    group.send(ProgressPolled({0: progress(checkpointing=True), 1: progress(entered_sync=3), 2: progress()}))
+    group.send(ProbesRead({0: progress(checkpointing=True), 1: progress(entered_sync=3), 2: progress()}))
     assert group.killed == []
     assert group.send(Tick(deadline_s=1.0), after_s=0.5) == [], "the upload did not count as progress"
 
@@ -550,7 +550,7 @@ def test_during_a_formation_only_the_member_that_never_reached_the_barrier_is_hu
     group.form(members=(0,))
     group.send(Tick(deadline_s=1.0), after_s=2.0)
     assert group.polls[-1].members == (0, 1, 2)
-    group.send(ProgressPolled({0: progress(arrived=1), 1: progress(arrived=1), 2: progress(arrived=0)}))
+    group.send(ProbesRead({0: progress(arrived=1), 1: progress(arrived=1), 2: progress(arrived=0)}))
     assert group.killed == [2]
 
 
@@ -613,8 +613,8 @@ def test_every_member_blocked_in_a_collective_past_the_deadline_is_an_applicatio
     group.start_run(0, 1, 2)
     group.send(Tick(deadline_s=5.0), after_s=10.0)
     where = "all_reduce called from train_loop at train.py:42"
-    blocked = WorkerProgress(step=10, entered_sync=10, launched=10, arrived=0, connected=0, checkpointing=False, blocked_in=where)
-    group.send(ProgressPolled({0: blocked, 1: blocked, 2: blocked}))
+    blocked = ProbeReading(step=10, entered_sync=10, launched=10, arrived=0, connected=0, checkpointing=False, blocked_in=where)
+    group.send(ProbesRead({0: blocked, 1: blocked, 2: blocked}))
     assert group.state == "FAILED" and group.protocol.state.kind == "app_error"
     assert where in group.protocol.state.error and group.protocol.failures == 1
 
@@ -709,7 +709,7 @@ def test_a_hung_worker_is_evicted_with_its_replica_and_a_mate_already_evicted_is
     group = replicas()
     group.start_run(0, 1, 2, 3)
     group.send(Tick(last_step_at=group.now - 6, deadline_s=5.0), after_s=6.0)
-    group.send(ProgressPolled({0: progress(10), 1: progress(10), 2: progress(10), 3: progress(10, entered_sync=9)}))
+    group.send(ProbesRead({0: progress(10), 1: progress(10), 2: progress(10), 3: progress(10, entered_sync=9)}))
     # Given up on, it is lost at once with its replica: both killed, the heal offered without waiting for the kill.
     assert group.killed == [3, 2] and group.latest_offer.formation.members == (0, 1)
     offers = len(group.offers)
@@ -719,9 +719,9 @@ def test_a_hung_worker_is_evicted_with_its_replica_and_a_mate_already_evicted_is
     group = replicas(max_failures=1)
     group.start_run(0, 1, 2, 3)
     group.send(Tick(last_step_at=group.now - 6, deadline_s=5.0), after_s=6.0)
-    blocked = WorkerProgress(step=10, entered_sync=10, launched=10, arrived=0, connected=0, checkpointing=False,
+    blocked = ProbeReading(step=10, entered_sync=10, launched=10, arrived=0, connected=0, checkpointing=False,
                              blocked_in="all_reduce at loop.py:3")
-    group.send(ProgressPolled({w: blocked for w in range(4)}))
+    group.send(ProbesRead({w: blocked for w in range(4)}))
     assert sorted(group.killed) == [0, 1, 2, 3]
     for worker_id in range(4):
         group.die(worker_id)

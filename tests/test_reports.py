@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from elastic.controller.progress import ProgressTracker
+from elastic.controller.tally import RunTally
 from elastic.worker.reports import HOLD_S, REPORT_CALLS_PER_S, REPORT_INTERVAL_S, ReportQueue, interval_s
 
 pytestmark = pytest.mark.timeout(60)
@@ -116,8 +116,8 @@ def test_a_heal_sends_no_burst_of_calls():
     assert len(run.calls) - before <= 1 + math.ceil(REPORT_CALLS_PER_S * REPORT_INTERVAL_S)
 
 
-def tracker_fed(items: list[dict]) -> ProgressTracker:
-    tracker = ProgressTracker(GLOBAL_BATCH, max_steps=10_000)
+def tracker_fed(items: list[dict]) -> RunTally:
+    tracker = RunTally(GLOBAL_BATCH, max_steps=10_000)
     tracker.ingest(0, items)
     return tracker
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.controller.protocol import Protocol
 from elastic.controller.signals import (
-    Abort, Action, Emit, Exit, FormedReport, Kill, Observation, Offer, PollProgress, Prepare, StartWorkers,
+    Abort, Action, Emit, Exit, FormedReport, Kill, Observation, Offer, ReadProbes, Prepare, StartWorkers,
     SwitchPrepared, Tick, WorkerExited, WorkerReady, coalesce,
 )
 
@@ -44,7 +44,7 @@ class FakeWorkerGroup:
         self.prepares: dict[int, Prepare] = {}
         self.aborted: list[int] = []
         self.killed: list[int] = []
-        self.polls: list[PollProgress] = []
+        self.polls: list[ReadProbes] = []
         self.started: list[int] = []
         self._carry(self.protocol.start(self.now))
 
@@ -123,7 +123,7 @@ class FakeWorkerGroup:
                 self.aborted.append(action.generation)
             elif isinstance(action, Kill):
                 self.killed.append(action.worker_id)
-            elif isinstance(action, PollProgress):
+            elif isinstance(action, ReadProbes):
                 self.polls.append(action)
             elif isinstance(action, StartWorkers):
                 self.started += action.worker_ids

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.controller import policies
 from elastic.controller.signals import (
-    PREPARE_SLACK_STEPS, Abort, Action, Emit, Exit, Forget, FormedReport, GroupBroken, Kill, Observation, Offer, PollProgress,
-    Prepare, ProgressPolled, ShardWritten, StartWorkers, SwitchPrepared, Tick, WorkerExited, WorkerReady,
+    PREPARE_SLACK_STEPS, Abort, Action, Emit, Exit, Forget, FormedReport, GroupBroken, Kill, Observation, Offer, ReadProbes,
+    Prepare, ProbesRead, ShardWritten, StartWorkers, SwitchPrepared, Tick, WorkerExited, WorkerReady,
 )
 from elastic.controller.states import (
     TERMINAL, ControllerState, Failed, Finished, Finishing, Formation, Forming, Preparing, Reason, Running, Waiting,
@@ -293,13 +293,13 @@ class Protocol:
         self.polling, self.judging_hang, self.pinged_at = True, hang, now
         self.deadline_s, self.stalled_since = obs.deadline_s, now - stalled
         watched = state.formation.members if isinstance(state, Forming) else self.members
-        return [PollProgress(tuple(w for w in watched if self.workers[w].status != Status.GONE))]
+        return [ReadProbes(tuple(w for w in watched if self.workers[w].status != Status.GONE))]
 
     def _on_shard_written(self, obs: ShardWritten, now: float) -> list[Action]:
         self.progress_at = now  # a slow upload holds the run up; it is not a hang
         return []
 
-    def _on_polled(self, obs: ProgressPolled, now: float) -> list[Action]:
+    def _on_polled(self, obs: ProbesRead, now: float) -> list[Action]:
         self.polling = False
         actions = self._lose_unreachable(obs, now) or self._lose_cut_off(obs, now)
         if not self.judging_hang or isinstance(self.state, TERMINAL):
@@ -335,7 +335,7 @@ class Protocol:
             actions += self._give_up(worker_id, "hang", why, now, detect_s=self.stalled_s, deadline_s=self.deadline_s)
         return actions
 
-    def _lose_unreachable(self, obs: ProgressPolled, now: float) -> list[Action]:
+    def _lose_unreachable(self, obs: ProbesRead, now: float) -> list[Action]:
         """Members that answered no ping are unreachable (dead, or alive behind a link that is down):
         each is lost now, like a death, so the heal releases the members waiting on it; it is
         killed too, and nothing it sends later counts (`fenced`). Ray itself would call its node
@@ -355,10 +355,10 @@ class Protocol:
             actions += self._give_up(worker_id, "unreachable", why, now, detect_s=now - self.stalled_since)
         return actions
 
-    def _lose_cut_off(self, obs: ProgressPolled, now: float) -> list[Action]:
+    def _lose_cut_off(self, obs: ProbesRead, now: float) -> list[Action]:
         """Members that answer the controller but whose peers' links are cut (a partial partition):
         every rank waits in a collective, nobody is dead or behind, so nothing else decides. The
-        kernel's word on each rank's connections (`WorkerProgress.silent`) names the cut links, and
+        kernel's word on each rank's connections (`ProbeReading.silent`) names the cut links, and
         the smallest set of members that explains them (`policies.find_cut_off`) is lost now, like
         an unreachable member; the members merely waiting on them are never blamed."""
         state = self.state
@@ -670,5 +670,5 @@ class Protocol:
 _HANDLERS = {
     WorkerReady: Protocol._on_ready, WorkerExited: Protocol._on_exited, GroupBroken: Protocol._on_broken,
     SwitchPrepared: Protocol._on_prepared, FormedReport: Protocol._on_formed, Tick: Protocol._on_tick,
-    ProgressPolled: Protocol._on_polled, ShardWritten: Protocol._on_shard_written,
+    ProbesRead: Protocol._on_polled, ShardWritten: Protocol._on_shard_written,
 }

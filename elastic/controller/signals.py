@@ -98,7 +98,9 @@ class ShardWritten:
 
 
 @dataclass(frozen=True)
-class WorkerProgress:
+class ProbeReading:
+    """Where a member's train thread is, from its hang probe (`elastic.worker.probe.HangProbe`)."""
+
     step: int
     entered_sync: int
     launched: int
@@ -119,13 +121,13 @@ class WorkerProgress:
 
 
 @dataclass(frozen=True)
-class ProgressPolled:
-    """Each polled member's progress; None when it did not answer in time."""
+class ProbesRead:
+    """Each polled member's probe reading; None when it did not answer in time."""
 
-    answers: dict[int, WorkerProgress | None]
+    answers: dict[int, ProbeReading | None]
 
 
-Observation = (WorkerReady | WorkerExited | GroupBroken | SwitchPrepared | FormedReport | Tick | ProgressPolled
+Observation = (WorkerReady | WorkerExited | GroupBroken | SwitchPrepared | FormedReport | Tick | ProbesRead
                | ShardWritten)
 
 # --- actions ----------------------------------------------------------------------------
@@ -176,7 +178,9 @@ class Kill:
 
 
 @dataclass(frozen=True)
-class PollProgress:
+class ReadProbes:
+    """Ask these members for their probe readings (answered as `ProbesRead`)."""
+
     members: tuple[int, ...]
 
 
@@ -186,7 +190,7 @@ class Emit:
     fields: dict[str, Any]
 
 
-Action = StartWorkers | Prepare | Offer | Abort | Forget | Kill | PollProgress | Emit
+Action = StartWorkers | Prepare | Offer | Abort | Forget | Kill | ReadProbes | Emit
 
 
 def coalesce(actions: list[Action]) -> list[Action]:

@@ -475,9 +475,9 @@ class TrainContext(ReplicaCoordinates):
         self.snapshots.drop_flag()  # a pending check belongs to the group being left
         self.membership.join(reason, lost)
 
-    def progress(self) -> dict[str, Any]:
+    def probe_reading(self) -> dict[str, Any]:
         """Where the train thread is, for the controller's hang check: answered from another thread."""
-        return self.probe.progress(self.step)
+        return self.probe.reading(self.step)
 
     def close(self) -> None:
         self.snapshots.drop_flag()

@@ -62,7 +62,7 @@ class HangProbe:
         finally:
             self._waiting_on_checkpoint = False
 
-    def progress(self, step: int) -> dict[str, Any]:
+    def reading(self, step: int) -> dict[str, Any]:
         return {"step": step, "entered_sync": self.entered_sync, "launched": self.launched,
                 "arrived": self.arrived, "connected": self.connected, "checkpointing": self._waiting_on_checkpoint,
                 "blocked_in": self.collective_in_progress()}

@@ -1,12 +1,13 @@
-"""Progress of a run: the controller's tally of committed steps.
+"""The controller's tally of a run: its committed steps, throughput, productive time and metrics.
 
 Replica 0's ranks (rank 0 in a plain data-parallel run) report each committed step (its duration
 and world size) and the user's metrics in batches (the other ranks only with the straggler check:
 `elastic.worker.reports`);
-`ProgressTracker` folds them into the step count, throughput, productive time (for
+`RunTally` folds them into the step count, throughput, productive time (for
 goodput) and the latest metrics. The driver shows them with `elastic.journal.display`. For the straggler
 check it keeps each worker's own compute per step and what its connections sent to each peer
-(`elastic.comm.links.GroupLinks.traffic`), as link rates over the last steps.
+(`elastic.comm.links.GroupLinks.traffic`), as link rates over the last steps. (Where the train
+thread of each member is, for the hang check, is its probe's reading: `signals.ProbeReading`.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ COMPUTE_HISTORY = 200
 LINK_MIN_BYTES = 256 * 1024
 
 
-class ProgressTracker:
+class RunTally:
     def __init__(self, global_batch_size: int, max_steps: int) -> None:
         self.global_batch_size = global_batch_size
         self.max_steps = max_steps
