@@ -14,8 +14,8 @@ The diff against Ray's script, all of it:
 - `TorchTrainer(...)` becomes `ElasticTrainer(...)`, with the `DataConfig` that fixes the global
   batch and the steps (what Ray Train leaves to each worker's loader), and `ScalingConfig(
   num_workers=(1, 2))` so that a worker's death heals in place;
-- FashionMNIST (60,000 + 10,000 images) becomes TRAIN_SAMPLES + TEST_SAMPLES random 28x28
-  images whose class a fixed random projection decides, and the `tqdm` bars go.
+- FashionMNIST (60,000 + 10,000 images) becomes TRAIN_SAMPLES + TEST_SAMPLES noisy 28x28
+  images of ten random class prototypes, and the `tqdm` bars go.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ GLOBAL_BATCH_SIZE = 32  # Ray's example: 32, split over its workers
 
 
 def synthetic_fashion(samples: int, seed: int) -> TensorDataset:
-    """Images of FashionMNIST's shape and normalisation; a fixed projection of each picks its class of 10."""
+    """Images of FashionMNIST's shape, learnable as its classes are: each of the 10 classes a fixed
+    random picture (its prototype, the same in every split), each image its class's under noise."""
     generator = torch.Generator().manual_seed(seed)
-    images = torch.randn(samples, 1, 28, 28, generator=generator)
-    projection = torch.randn(28 * 28, 10, generator=torch.Generator().manual_seed(1234))
-    labels = (images.flatten(1) @ projection).argmax(1)
+    labels = torch.randint(0, 10, (samples,), generator=generator)
+    prototypes = torch.randn(10, 1, 28, 28, generator=torch.Generator().manual_seed(1234))
+    images = prototypes[labels] + 2.0 * torch.randn(samples, 1, 28, 28, generator=generator)
     return TensorDataset(images, labels)
 
 
