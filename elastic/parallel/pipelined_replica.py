@@ -45,7 +45,7 @@ from elastic.comm.state_sync import SyncResult, state_of
 from elastic.data.loader import to_device
 from elastic.errors import ElasticError, UnweightedBackwardError
 from elastic.parallel.pipeline import PipelinedModel
-from elastic.parallel.prepared import DTENSOR, ComputeFrames, Generation, Placement
+from elastic.parallel.prepared import DTENSOR, ComputeFrames, Generation, WorkerPlace
 from elastic.parallel.replica_model import ReplicaModel
 from elastic.parallel.tensor_parallel import Plan, check_plan, resolve
 from elastic.parallel.tensor_parallel_replica import (
@@ -152,7 +152,7 @@ class PipelinedKind(ReplicaModel):
     # in `_wait_batch_p2p`.
     compute_frames = ComputeFrames(("torch.distributed.pipelining", DTENSOR), waits=("_wait_batch_p2p",))
 
-    def __init__(self, place: Placement, model: nn.Sequential | None, objects: dict[str, Any],
+    def __init__(self, place: WorkerPlace, model: nn.Sequential | None, objects: dict[str, Any],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, plan: Plan | None,
                  split_points: Sequence[int] | None) -> None:
         super().__init__(place.shape, place.slot, place.device)

@@ -14,7 +14,7 @@ is. The kinds:
 
 The base class's methods are what a kind does where it has nothing of its own to do. It lives
 here, below the worker's runtime, so that the kinds of `elastic.parallel` and of the worker can
-share it; what a kind needs of the runtime comes in a `Placement` and a `Generation`. A new kind
+share it; what a kind needs of the runtime comes in a `WorkerPlace` and a `Generation`. A new kind
 is one new module with a subclass and one line in `model_kinds.prepare`.
 """
 
@@ -37,7 +37,7 @@ from elastic.parallel.replicas import ReplicaShape
 
 
 @dataclass(frozen=True)
-class Placement:
+class WorkerPlace:
     """Where a model is prepared: the worker's place in its replica, for its whole life, and the run's settings."""
 
     shape: ReplicaShape

@@ -37,7 +37,7 @@ from elastic.checkpoint.checkpoint import WHOLE, join_parts
 from elastic.comm.flat_state import reduce_in_place
 from elastic.comm.state_sync import SyncResult, state_of
 from elastic.errors import ElasticError
-from elastic.parallel.prepared import DTENSOR, ComputeFrames, Generation, Placement
+from elastic.parallel.prepared import DTENSOR, ComputeFrames, Generation, WorkerPlace
 from elastic.parallel.replica_model import ReplicaModel
 from elastic.parallel.tensor_parallel import Plan, TensorParallelModel
 
@@ -175,7 +175,7 @@ class TensorParallelKind(ReplicaModel):
 
     compute_frames = ComputeFrames((DTENSOR,))
 
-    def __init__(self, place: Placement, model: nn.Module, objects: dict[str, Any], plan: Plan | None) -> None:
+    def __init__(self, place: WorkerPlace, model: nn.Module, objects: dict[str, Any], plan: Plan | None) -> None:
         super().__init__(place.shape, place.slot, place.device)
         plan = plan_of(model, plan, place.shape.tensor_parallel)
         model.to(place.device)

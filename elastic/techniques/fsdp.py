@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from elastic.errors import ElasticError
 from elastic.techniques.shard_plan import Layout, ShardLostError, ShardPosition, plan_reshard, scalars_at
-from elastic.techniques.shard_transfer import Holding, Placement, assemble, move, refreshed, wants_piece
+from elastic.techniques.shard_transfer import Holding, RankLayout, assemble, move, refreshed, wants_piece
 from elastic.techniques.zero import optimizer_like, scalars_for
 
 PARAM = "param"  # the holding's name for the parameters beside the optimizer's state names
@@ -72,7 +72,7 @@ class FullyShardedModel:
         self.optimizer: ShardedParamsOptimizer | None = None
         self.on_rebuilt: Callable[[nn.Module], None] | None = None  # told of each generation's module
         self._params: list[DTensor] = []  # the sharded parameters (FSDP2 swaps in unsharded ones while gathered)
-        self._placement: Placement | None = None
+        self._rank_layout: RankLayout | None = None
         self._group: dist.ProcessGroup | None = None
         self._buddies: dict[int, Holding] = {}
         self._steps = 0
@@ -94,9 +94,9 @@ class FullyShardedModel:
     @property
     def position(self) -> ShardPosition | None:
         """What this process holds, to pass to the next `form`; None if nothing usable."""
-        if self._placement is None or self._forming:
+        if self._rank_layout is None or self._forming:
             return None
-        return ShardPosition(self._placement.rank, self._placement.world_size, self._steps, self._buddy_steps)
+        return ShardPosition(self._rank_layout.rank, self._rank_layout.world_size, self._steps, self._buddy_steps)
 
     # --- a generation ------------------------------------------------------------------
     def form(self, previous: ShardPosition | None, steps: int, group: dist.ProcessGroup | None = None,
@@ -124,31 +124,32 @@ class FullyShardedModel:
                                "every rank must prepare the same model with the same Strategy")
         positions = [m["position"] for m in members]
         me, size = dist.get_rank(group), dist.get_world_size(group)
-        placement = Placement(self._layout, size, me)
+        rank_layout = RankLayout(self._layout, size, me)
         self._forming = True
         holder = next((m for m in members if m["position"] is not None), None)
         if holder is not None:
             transfers = plan_reshard(self._layout, positions, [False] * size, self.replicas, steps)
-            received, buddies = move(transfers, me, self._placement, placement, own, self._buddies,
+            received, buddies = move(transfers, me, self._rank_layout, rank_layout, own, self._buddies,
                                      holder["dtypes"], self.replicas, self._device, group)
             scalars = scalars_at(members, steps)
         elif pieces:
             dtypes = {name: t.dtype for name, t in pieces[0]["tensors"].items()}
-            received = assemble(pieces, placement, me, dtypes, self._device)
-            buddies = {k: assemble(pieces, placement, k, dtypes, self._device) for k in placement.buddies(self.replicas)}
+            received = assemble(pieces, rank_layout, me, dtypes, self._device)
+            buddies = {k: assemble(pieces, rank_layout, k, dtypes, self._device)
+                       for k in rank_layout.buddies(self.replicas)}
             scalars, steps = pieces[0]["scalars"], pieces[0]["steps"]
         elif steps == 0:
-            (received, buddies), scalars = self._cut_initial(members, placement, group), {}
+            (received, buddies), scalars = self._cut_initial(members, rank_layout, group), {}
         else:
             # Every holder's last formation broke off midway: the state of step `steps` is gone.
             raise ShardLostError(f"No rank holds ZeRO-{self.stage}'s shards of step {steps} (a formation broke off "
                                  "on every holder); the run must restart from a checkpoint")
-        self._install(placement, received, buddies, scalars, group)
+        self._install(rank_layout, received, buddies, scalars, group)
         self._steps = self._buddy_steps = steps
         self._buddy_scalars = scalars
         self._forming = False
 
-    def _cut_initial(self, members: list[Any], placement: Placement,
+    def _cut_initial(self, members: list[Any], rank_layout: RankLayout,
                      group: dist.ProcessGroup | None) -> tuple[Holding, dict[int, Holding]]:
         """Nobody holds shards at step 0: spread the initial weights of the lowest rank that has
         them, and cut this rank's shard and its buddy copies."""
@@ -165,11 +166,11 @@ class FullyShardedModel:
         dist.broadcast(flat, group_src=source, group=group)
 
         def cut(rank: int) -> Holding:
-            return {PARAM: torch.cat([flat[a:b] for a, b in self._layout.spans(placement.world_size, rank)])}
+            return {PARAM: torch.cat([flat[a:b] for a, b in self._layout.spans(rank_layout.world_size, rank)])}
 
-        return cut(placement.rank), {k: cut(k) for k in placement.buddies(self.replicas)}
+        return cut(rank_layout.rank), {k: cut(k) for k in rank_layout.buddies(self.replicas)}
 
-    def _install(self, placement: Placement, own: Holding, buddies: dict[int, Holding],
+    def _install(self, rank_layout: RankLayout, own: Holding, buddies: dict[int, Holding],
                  scalars: dict[str, Any], group: dist.ProcessGroup | None) -> None:
         """Build this generation's FSDP2 module and optimizer and fill them with `own`."""
         mesh = DeviceMesh.from_group(group or dist.group.WORLD, self._device.type)
@@ -186,7 +187,7 @@ class FullyShardedModel:
                 param.to_local().copy_(piece)
         old = [self.module, self._params, self.optimizer.inner if self.optimizer else None]
         self.module, self._params = module, params
-        self._placement, self._buddies, self._group = placement, buddies, group
+        self._rank_layout, self._buddies, self._group = rank_layout, buddies, group
         if self._initial is not None:
             _free(self._initial)  # its weights are in the shards now
             self._initial = None
@@ -209,7 +210,7 @@ class FullyShardedModel:
         """
         self._steps += 1
         self._buddy_steps = -1
-        if refreshed(self._placement, self._own(), self._buddies, self.replicas, self._group):
+        if refreshed(self._rank_layout, self._own(), self._buddies, self.replicas, self._group):
             self._buddy_steps, self._buddy_scalars = self._steps, self._scalars()
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
@@ -220,17 +221,17 @@ class FullyShardedModel:
     # --- checkpoints and sizes ----------------------------------------------------------
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shards (parameters and optimizer state) for a checkpoint."""
-        placement = self._require_placement()
+        rank_layout = self._require_rank_layout()
         return {"numel": self._layout.numel, "segments": [list(seg) for seg in self._layout.segments],
-                "steps": self._steps, "spans": [list(s) for s in self._layout.spans(placement.world_size,
-                                                                                    placement.rank)],
+                "steps": self._steps, "spans": [list(s) for s in self._layout.spans(rank_layout.world_size,
+                                                                                    rank_layout.rank)],
                 "tensors": self._own(), "scalars": self._scalars()}
 
     def wants_piece(self, rank: int, world_size: int) -> bool:
         """Whether a checkpoint piece of `rank` of `world_size` overlaps what this rank will hold
         in the current group (WORLD): call it before `form` lays the state out there."""
-        placement = Placement(self._layout, dist.get_world_size(), dist.get_rank())
-        return wants_piece(placement, self.replicas, rank, world_size)
+        rank_layout = RankLayout(self._layout, dist.get_world_size(), dist.get_rank())
+        return wants_piece(rank_layout, self.replicas, rank, world_size)
 
     def check_pieces(self, pieces: Sequence[dict[str, Any]]) -> None:
         """Refuse a checkpoint's pieces of another model or another ZeRO stage layout."""
@@ -264,10 +265,10 @@ class FullyShardedModel:
         return {name: v.detach().cpu().clone() if torch.is_tensor(v) else v
                 for name, v in state.items() if not isinstance(v, DTensor)}
 
-    def _require_placement(self) -> Placement:
-        if self._placement is None:
+    def _require_rank_layout(self) -> RankLayout:
+        if self._rank_layout is None:
             raise ElasticError("FullyShardedModel has not formed over a group yet: call form() first")
-        return self._placement
+        return self._rank_layout
 
 
 class ShardedBuffers:

@@ -24,8 +24,8 @@ Holding = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
-class Placement:
-    """This rank's place in the layout of one group: `rank` of `world_size`."""
+class RankLayout:
+    """A layout as cut across one group of `world_size` ranks, seen from `rank`."""
 
     layout: Layout
     world_size: int
@@ -41,7 +41,7 @@ class Placement:
         return buddies_of(self.rank, self.world_size, replicas)
 
 
-def move(transfers: Sequence[Transfer], me: int, old: Placement | None, new: Placement | None,
+def move(transfers: Sequence[Transfer], me: int, old: RankLayout | None, new: RankLayout | None,
          own: Holding, buddies: dict[int, Holding], dtypes: dict[str, torch.dtype], replicas: int,
          device: torch.device, group: dist.ProcessGroup | None) -> tuple[Holding, dict[int, Holding]]:
     """Run group rank `me`'s part of the plan: (its new own holding, its new buddy copies).
@@ -80,12 +80,12 @@ def move(transfers: Sequence[Transfer], me: int, old: Placement | None, new: Pla
     return received, copies
 
 
-def refreshed(placement: Placement, own: Holding, buddies: dict[int, Holding], replicas: int,
+def refreshed(rank_layout: RankLayout, own: Holding, buddies: dict[int, Holding], replicas: int,
               group: dist.ProcessGroup | None) -> bool:
     """`refresh_buddies` after a step; False if a peer was lost midway. The copies are then half
     received and count for nothing, while the step itself, taken already, stands."""
     try:
-        refresh_buddies(placement, own, buddies, replicas, group)
+        refresh_buddies(rank_layout, own, buddies, replicas, group)
     except Exception as exc:
         if not peer_failed(exc):
             raise
@@ -93,17 +93,17 @@ def refreshed(placement: Placement, own: Holding, buddies: dict[int, Holding], r
     return True
 
 
-def refresh_buddies(placement: Placement, own: Holding, buddies: dict[int, Holding], replicas: int,
+def refresh_buddies(rank_layout: RankLayout, own: Holding, buddies: dict[int, Holding], replicas: int,
                     group: dist.ProcessGroup | None) -> None:
     """Send this rank's holding to ranks r+1..r+k and take r-1..r-k's into `buddies`."""
     names = sorted(own)
-    size, rank = placement.world_size, placement.rank
+    size, rank = rank_layout.world_size, rank_layout.rank
     ops = []
     for j in range(1, min(replicas, size - 1) + 1):
         to, owner = (rank + j) % size, (rank - j) % size
         copy = buddies.get(owner)
         if copy is None or sorted(copy) != names:  # the first step creates the state
-            copy = buddies[owner] = {name: own[name].new_empty(placement.length(owner)) for name in names}
+            copy = buddies[owner] = {name: own[name].new_empty(rank_layout.length(owner)) for name in names}
         for i, name in enumerate(names):
             tag = j * len(names) + i
             if own[name].numel():
@@ -118,18 +118,18 @@ def piece_spans(piece: dict[str, Any]) -> list[tuple[int, int]]:
     return [tuple(span) for span in piece.get("spans", [(piece.get("start"), piece.get("stop"))])]
 
 
-def wants_piece(placement: Placement, replicas: int, rank: int, world_size: int) -> bool:
+def wants_piece(rank_layout: RankLayout, replicas: int, rank: int, world_size: int) -> bool:
     """Whether the piece written by `rank` of `world_size` overlaps what this rank holds (its own
     spans and its buddies'): a restart reads no other."""
-    keepers = [placement.rank, *placement.buddies(replicas)]
-    return any(placement.layout.overlaps(placement.world_size, keeper, world_size, rank) for keeper in keepers)
+    keepers = [rank_layout.rank, *rank_layout.buddies(replicas)]
+    return any(rank_layout.layout.overlaps(rank_layout.world_size, keeper, world_size, rank) for keeper in keepers)
 
 
-def assemble(pieces: Sequence[dict[str, Any]], placement: Placement, keeper: int,
+def assemble(pieces: Sequence[dict[str, Any]], rank_layout: RankLayout, keeper: int,
              dtypes: dict[str, torch.dtype], device: torch.device) -> Holding:
-    """Rank `keeper`'s holding in `placement`, copied from checkpoint pieces of any world size."""
-    spans = placement.layout.spans(placement.world_size, keeper)
-    out = {name: torch.empty(placement.length(keeper), dtype=dtype, device=device) for name, dtype in dtypes.items()}
+    """Rank `keeper`'s holding in `rank_layout`, copied from checkpoint pieces of any world size."""
+    spans = rank_layout.layout.spans(rank_layout.world_size, keeper)
+    out = {name: torch.empty(rank_layout.length(keeper), dtype=dtype, device=device) for name, dtype in dtypes.items()}
     covered = 0
     for piece in pieces:
         offset = 0
@@ -138,15 +138,15 @@ def assemble(pieces: Sequence[dict[str, Any]], placement: Placement, keeper: int
                 begin, end = max(a, c), min(b, d)
                 if begin >= end:
                     continue
-                into = placement.local(keeper, begin, end)
+                into = rank_layout.local(keeper, begin, end)
                 for name in dtypes:
                     out[name][into].copy_(piece["tensors"][name][offset + begin - a:offset + end - a])
                 covered += end - begin
             offset += b - a
-    needed = placement.length(keeper)
+    needed = rank_layout.length(keeper)
     if covered != needed:
         raise ElasticError(f"The checkpoint's pieces cover {covered} of the {needed} elements that rank {keeper} "
-                           f"of {placement.world_size} holds; pass the pieces of every rank of one checkpoint")
+                           f"of {rank_layout.world_size} holds; pass the pieces of every rank of one checkpoint")
     return out
 
 

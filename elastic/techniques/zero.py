@@ -70,7 +70,7 @@ from elastic.errors import ElasticError
 from elastic.techniques.shard_plan import (
     Layout, ShardLostError, ShardPosition, agreed_history, plan_reshard, scalars_at,
 )
-from elastic.techniques.shard_transfer import Placement, assemble, move, refreshed, wants_piece
+from elastic.techniques.shard_transfer import RankLayout, assemble, move, refreshed, wants_piece
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; pyproject allows torch 2.4.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -84,13 +84,13 @@ class StateBytes:
     buddy: int
 
 
-def _placement(numel: int, world_size: int, rank: int) -> Placement:
-    return Placement(Layout.flat(numel), world_size, rank)
+def _rank_layout(numel: int, world_size: int, rank: int) -> RankLayout:
+    return RankLayout(Layout.flat(numel), world_size, rank)
 
 
-def _range(placement: Placement, rank: int | None = None) -> tuple[int, int]:
+def _range(rank_layout: RankLayout, rank: int | None = None) -> tuple[int, int]:
     """[start, stop) of the flat vector that `rank` (default: this one) owns."""
-    return placement.layout.spans(placement.world_size, placement.rank if rank is None else rank)[0]
+    return rank_layout.layout.spans(rank_layout.world_size, rank_layout.rank if rank is None else rank)[0]
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -108,7 +108,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._params: list[torch.Tensor] = list(self.param_groups[0]["params"])
         self._numel = sum(p.numel() for p in self._params)
         self._replicas = replicas
-        self._layout: Placement | None = None
+        self._layout: RankLayout | None = None
         self._group: dist.ProcessGroup | None = None  # None: the default group (WORLD)
         self._awaits_bind = False  # after a planned shrink, until `bind` names the smaller group
         self._padded: torch.Tensor | None = None  # the shard, padded to S for the all-gather
@@ -171,7 +171,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                  self._replicas, steps) if dtypes else []
         self._resharding = True
         me = dist.get_rank(group)
-        layout = None if leaving else _placement(self._numel, len(stayers), stayers.index(me))
+        layout = None if leaving else _rank_layout(self._numel, len(stayers), stayers.index(me))
         received, buddies = move(transfers, me, self._layout, layout, own, self._buddies, dtypes, self._replicas,
                                  self._params[0].device, group)
         self._install(layout, received, buddies, scalars_at(members, steps),
@@ -291,7 +291,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                "wrapped optimizer before wrapping it")
         super().add_param_group(param_group)
 
-    def _require_layout(self) -> Placement:
+    def _require_layout(self) -> RankLayout:
         if self._layout is None:
             raise ElasticError("This ShardedOptimizer holds no layout: call reshard() on the group first "
                                "(reshard(None) in the first group), or it left the group")
@@ -303,7 +303,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _own_state(self) -> dict[str, Any]:
         return self._inner.state.get(self._shard, {}) if self._inner is not None else {}
 
-    def _install(self, layout: Placement | None, own: dict[str, torch.Tensor],
+    def _install(self, layout: RankLayout | None, own: dict[str, torch.Tensor],
                  buddies: dict[int, dict[str, torch.Tensor]], scalars: dict[str, Any], steps: int) -> None:
         self._layout, self._buddies, self._steps, self._buddy_steps = layout, buddies, steps, steps
         self._buddy_scalars = scalars

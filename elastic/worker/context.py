@@ -41,7 +41,7 @@ from elastic.config import CheckpointConfig, DataConfig, Strategy
 from elastic.data.loader import to_device
 from elastic.errors import ElasticError
 from elastic.faults import Fault
-from elastic.parallel.prepared import Placement
+from elastic.parallel.prepared import WorkerPlace
 from elastic.parallel.replicas import ReplicaCoordinates, ReplicaShape
 from elastic.techniques.strategy import Techniques
 from elastic.worker.batching import MicroBatching
@@ -137,7 +137,7 @@ class TrainContext(ReplicaCoordinates):
         self.slot = slot  # this worker's place in its replica, for its whole life
         self._random = RandomState()
         self._objects: dict[str, Any] = {"rng": self._random}
-        self._place = Placement(shape, slot, self.device, strategy)
+        self._place = WorkerPlace(shape, slot, self.device, strategy)
         # The run's kind of prepared model, holding no model until prepare_model.
         self._prepared = prepare(self._place, self.techniques, None, self._objects)
         self._progress = Progress(seed=data_config.seed)
@@ -410,6 +410,8 @@ class TrainContext(ReplicaCoordinates):
         techniques, faults, random_state, stepping = self.techniques, self.faults, self._random, self.stepping
         heal_in_check = lambda: self._join(reason="heal", lost=0)  # noqa: E731
         acts_between_steps = techniques.acts_between_steps  # settled by prepare_model, before the steps
+        # Whether a step committed in this worker: one that joined as the run ended trained nothing, rightly.
+        committed_here = False
         while progress.step < max_steps:
             if snapshots.read_flag(heal=heal_in_check):
                 snapshots.take()
@@ -427,6 +429,7 @@ class TrainContext(ReplicaCoordinates):
             stepping.current = None
             if not step.entered:
                 raise ElasticError("each step from ctx.steps() must be used as `with step:`")
+            committed_here = committed_here or step.committed
             if step.failed is not None:
                 self._join(reason="heal", lost=0 if step.committed else 1)
                 continue
@@ -440,7 +443,7 @@ class TrainContext(ReplicaCoordinates):
         self._keep_final_model()
         loader.close()
         self.snapshots.wait_for_writer()
-        if self.model_called is False:
+        if self.model_called is False and committed_here:
             self._warn("model_never_trained",
                        f"the model prepare_model() returned was never called inside a step on rank {self.rank}: "
                        "its parameters were not trained, and what was trained is not synced nor checkpointed. "

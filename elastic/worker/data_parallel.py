@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic.parallel.prepared import DTENSOR, ComputeFrames, Generation, Placement, PreparedModel
+from elastic.parallel.prepared import DTENSOR, ComputeFrames, Generation, WorkerPlace, PreparedModel
 from elastic.techniques.strategy import Techniques
 from elastic.worker.phases import phase
 
@@ -70,7 +70,7 @@ class ElasticDDP(torch.nn.Module):
 class DataParallelModel(PreparedModel):
     """One whole copy of the model per rank, its gradients averaged by DDP (none yet before prepare_model)."""
 
-    def __init__(self, place: Placement, techniques: Techniques, model: torch.nn.Module | None,
+    def __init__(self, place: WorkerPlace, techniques: Techniques, model: torch.nn.Module | None,
                  objects: dict[str, Any]) -> None:
         self._techniques = techniques
         self._device = place.device
@@ -126,7 +126,7 @@ class ShardedModel(DataParallelModel):
 
     compute_frames = ComputeFrames((DTENSOR,))  # its parameters are DTensors
 
-    def __init__(self, place: Placement, techniques: Techniques, model: torch.nn.Module,
+    def __init__(self, place: WorkerPlace, techniques: Techniques, model: torch.nn.Module,
                  objects: dict[str, Any]) -> None:
         super().__init__(place, techniques, model, objects)
         # Each generation's FSDP2 module replaces the last one as the prepared model's `module`.

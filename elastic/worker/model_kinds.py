@@ -12,13 +12,13 @@ from typing import Any
 import torch
 
 from elastic.errors import ElasticError
-from elastic.parallel.prepared import Placement, PreparedModel
+from elastic.parallel.prepared import WorkerPlace, PreparedModel
 from elastic.parallel.replica_model import ReplicaModel
 from elastic.techniques.strategy import Techniques
 from elastic.worker.data_parallel import DataParallelModel, ShardedModel
 
 
-def prepare(place: Placement, techniques: Techniques, model: torch.nn.Module | None, objects: dict[str, Any],
+def prepare(place: WorkerPlace, techniques: Techniques, model: torch.nn.Module | None, objects: dict[str, Any],
             loss_fn: Callable | None = None, tensor_parallel_plan: Any = None,
             split_points: Sequence[int] | None = None) -> PreparedModel:
     """The prepared model of this run's kind, holding `model`, whose synced state it registers in `objects`
