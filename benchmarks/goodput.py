@@ -89,10 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     for round_index in range(args.rounds):
         for system in systems:
-            calm = run(system, args.calm, None, killer)
+            calm = _run_or_say(system, args.calm, None, killer)
+            if calm is None:
+                continue  # its figures stay None in this round
             runs.append({"round": round_index, "system": system, "setting": "calm", **_brief(calm)})
             for setting in settings:
-                outcome = run(system, args.duration, SETTINGS[setting], killer)
+                outcome = _run_or_say(system, args.duration, SETTINGS[setting], killer)
+                if outcome is None:
+                    continue
                 runs.append({"round": round_index, "system": system, "setting": setting, **_brief(outcome)})
                 timelines[setting][system] = outcome["timeline"]
                 for key, value in _figures(outcome, calm, system).items():
@@ -140,6 +144,15 @@ def run(system: str, duration_s: float, kill_every_s: float | None, rng: random.
     print(f"[goodput] {label}: {outcome['committed_steps']} steps committed, {len(deaths)} deaths, "
           f"{outcome['samples_per_s']:.1f} samples/s ({out_dir})", flush=True)
     return outcome
+
+
+def _run_or_say(system: str, duration_s: float, kill_every_s: float | None, rng: random.Random) -> dict[str, Any] | None:
+    """`run`, or None once it said why the system failed: one failed run does not lose the others' figures."""
+    try:
+        return run(system, duration_s, kill_every_s, rng)
+    except RuntimeError as exc:
+        print(f"[goodput] {system} FAILED: {exc}", flush=True)
+        return None
 
 
 def summarise(stamps: list[dict[str, Any]], deaths: list[dict[str, Any]], first: float, end: float) -> dict[str, Any]:

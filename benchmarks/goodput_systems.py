@@ -73,10 +73,10 @@ def run_elastic(out_dir: str, spare: bool) -> None:
 
 
 def ray_train_loop(config: dict[str, Any]) -> None:
-    import tempfile
-
     import ray.train
     from ray.train.torch import prepare_model
+
+    from benchmarks.ray_train import report_checkpoint, restore
 
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
@@ -84,16 +84,8 @@ def ray_train_loop(config: dict[str, Any]) -> None:
     model = prepare_model(loop.make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=loop.LR)
     inputs, labels = loop.make_data()
-    first = 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as path:
-            state = torch.load(os.path.join(path, "state.pt"))
-        model.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        first = state["step"] + 1
+    first = restore(model, optimizer)
     loop.announce(config["out_dir"])
-    every = RAY_TRAIN_CHECKPOINT_EVERY
     for step in range(first, ENDLESS_STEPS):
         share = torch.tensor_split(loop.step_samples(step), world_size)[rank]
         loop.loss_of(model, inputs[share], labels[share]).backward()
@@ -102,13 +94,8 @@ def ray_train_loop(config: dict[str, Any]) -> None:
         if rank == 0:
             probe = loop.probe_loss(model.module, inputs, labels) if step % loop.PROBE_EVERY == 0 else None
             loop.record(config["out_dir"], step, loop.GLOBAL_BATCH, probe)
-        if (step + 1) % every == 0:
-            with tempfile.TemporaryDirectory() as path:
-                if rank == 0:
-                    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                               os.path.join(path, "state.pt"))
-                ray.train.report({"step": step},
-                                 checkpoint=ray.train.Checkpoint.from_directory(path) if rank == 0 else None)
+        if (step + 1) % RAY_TRAIN_CHECKPOINT_EVERY == 0:
+            report_checkpoint(model, optimizer, step, rank, {"step": step})
 
 
 def run_ray_train(out_dir: str) -> None:

@@ -72,6 +72,29 @@ def recovery(steps: int, kill_step: int, checkpoint_every: int, storage: str) ->
     }
 
 
+def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load the latest checkpoint Ray Train hands this worker, if any, into the DDP `model` and
+    `optimizer`: the step to start from."""
+    checkpoint = ray.train.get_checkpoint()
+    if not checkpoint:
+        return 0
+    with checkpoint.as_directory() as path:
+        state = torch.load(os.path.join(path, "state.pt"))
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return state["step"] + 1
+
+
+def report_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, rank: int,
+                      metrics: dict[str, Any]) -> None:
+    """Report `metrics` with a checkpoint of step `step` that rank 0 saves, as Ray Train's docs do."""
+    with tempfile.TemporaryDirectory() as path:
+        if rank == 0:
+            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                       os.path.join(path, "state.pt"))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(path) if rank == 0 else None)
+
+
 def _fit(loop: Any, config: dict[str, Any], storage: str, name: str, max_failures: int) -> None:
     trainer = TorchTrainer(
         loop,
@@ -115,24 +138,13 @@ def _recovery_loop(config: dict[str, Any]) -> None:
     rank, model, optimizer = _setup()
     # The victim leaves the marker behind, so its presence tells a restarted group from the first.
     generation = int(os.path.exists(config["marker"]))
-    first_step = 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as path:
-            state = torch.load(os.path.join(path, "state.pt"))
-        model.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        first_step = state["step"] + 1
+    first_step = restore(model, optimizer)
     log = open(os.path.join(config["out_dir"], f"stamps-rank{rank}-{os.getpid()}.jsonl"), "a")
 
     def after_step(step: int, loss: torch.Tensor) -> None:
         metrics = {"loss": loss.item(), "step": step}
         if (step + 1) % config["checkpoint_every"] == 0:
-            with tempfile.TemporaryDirectory() as path:
-                if rank == 0:
-                    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                               os.path.join(path, "state.pt"))
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(path) if rank == 0 else None)
+            report_checkpoint(model, optimizer, step, rank, metrics)
         log.write(json.dumps(workload.stamp(step, generation, workload.WORLD_SIZE, time.time())) + "\n")
         log.flush()
         if rank == 1 and step + 1 == config["kill_step"] and generation == 0:
