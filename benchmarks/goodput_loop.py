@@ -17,6 +17,7 @@ a function of the parameters alone.
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -106,5 +107,9 @@ def step_samples(step: int) -> torch.Tensor:
     """The GLOBAL_BATCH sample indices of global step `step`: a seeded permutation per epoch. Rank r
     of w trains `torch.tensor_split(step_samples(step), w)[r]` (elastic draws its own, exactly once)."""
     epoch, within = divmod(step, NUM_SAMPLES // GLOBAL_BATCH)
-    order = torch.randperm(NUM_SAMPLES, generator=torch.Generator().manual_seed(SEED * 1_000_003 + epoch))
-    return order[within * GLOBAL_BATCH:(within + 1) * GLOBAL_BATCH]
+    return _epoch_order(epoch)[within * GLOBAL_BATCH:(within + 1) * GLOBAL_BATCH]
+
+
+@functools.lru_cache(maxsize=1)
+def _epoch_order(epoch: int) -> torch.Tensor:
+    return torch.randperm(NUM_SAMPLES, generator=torch.Generator().manual_seed(SEED * 1_000_003 + epoch))

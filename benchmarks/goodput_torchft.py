@@ -39,7 +39,6 @@ counts its share though it trained none: 32 samples per recovery, in torchft's f
 """
 
 import argparse
-import functools
 import os
 import subprocess
 import sys
@@ -52,7 +51,6 @@ from torch.distributed import TCPStore
 
 from benchmarks import goodput_loop as loop
 
-SHARE = loop.GLOBAL_BATCH // loop.WORKERS
 # The Lighthouse forms a quorum from two replicas, and a step commits with two or more.
 MIN_REPLICAS = 2
 # After a kill the Lighthouse counts the dead replica as alive until its heartbeats (every
@@ -147,19 +145,6 @@ def _ddp_class() -> type:
     return _DistributedDataParallel
 
 
-@functools.lru_cache(maxsize=1)
-def _epoch_order(epoch: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(loop.SEED * 1_000_003 + epoch)
-    return torch.randperm(loop.NUM_SAMPLES, generator=generator)
-
-
-def replica_indices(step: int, replica: int) -> torch.Tensor:
-    """Indices of replica's slice of step `step`: a seeded order per epoch, as workload.rank_indices."""
-    epoch, within = divmod(step, loop.NUM_SAMPLES // loop.GLOBAL_BATCH)
-    start = within * loop.GLOBAL_BATCH + replica * SHARE
-    return _epoch_order(epoch)[start : start + SHARE]
-
-
 def replica_main(replica: int, out_dir: str, lighthouse_addr: str) -> None:
     """Train as replica group `replica` until killed, recording every committed step."""
     from torchft import Manager, Optimizer, ProcessGroupGloo
@@ -202,7 +187,7 @@ def replica_main(replica: int, out_dir: str, lighthouse_addr: str) -> None:
     while True:
         # Every participant's counter is the quorum's step; only a replica about to heal lags, and
         # its slice does not count (torchft zeroes its gradients).
-        indices = replica_indices(manager.current_step(), replica)
+        indices = torch.tensor_split(loop.step_samples(manager.current_step()), loop.WORKERS)[replica]
         optimizer.zero_grad()
         loss = loop.loss_of(ddp_model, inputs[indices], labels[indices])
         loss.backward()
@@ -214,7 +199,7 @@ def replica_main(replica: int, out_dir: str, lighthouse_addr: str) -> None:
         optimizer.step()
         if manager.current_step() > step and first:
             probe = loop.probe_loss(model, inputs, labels) if step % loop.PROBE_EVERY == 0 else None
-            loop.record(out_dir, step, participants * SHARE, probe)
+            loop.record(out_dir, step, participants * loop.SHARE, probe)
 
 
 if __name__ == "__main__":
