@@ -41,7 +41,8 @@ def cluster(own_ray):
 def _status(name):
     try:
         return ray.get(ray.get_actor(f"elastic-controller-{name}").status.remote())
-    except ValueError:
+    except (ValueError, ray.exceptions.ActorDiedError):
+        # No controller yet, or the one `fit` killed as it ended: `_wait_for` then says how the run ended.
         return None
 
 
