@@ -238,7 +238,7 @@ class Controller:
                 for worker_id in action.members:
                     asyncio.ensure_future(self._prepare(worker_id, action.generation))
             elif isinstance(action, signals.Offer):
-                self._offer(action.formation, action.restart)
+                self._offer(action)
                 await self._fire_formation_faults()
             elif isinstance(action, signals.Abort):
                 abort_generation(self.store, action.generation)
@@ -269,7 +269,8 @@ class Controller:
             return  # its death arrives through its run call
         self.inbox.put_nowait(signals.SwitchPrepared(worker_id, generation, step))
 
-    def _offer(self, formation: Formation, restart: bool) -> None:
+    def _offer(self, offer: signals.Offer) -> None:
+        formation, restart = offer.formation, offer.restart
         members = formation.members
         nodes = {w: self.protocol.workers[w].node for w in members}
         node_order = list(dict.fromkeys(nodes.values()))
@@ -282,7 +283,7 @@ class Controller:
                 node_rank=placement[rank], nodes=placement, store_host=self.store_host, store_port=self.store.port,
                 backend=self.spec.scaling.backend, reason=formation.reason.value,
                 collective_timeout_s=self.spec.run.failure_config.collective_timeout_s,
-                switch_step=formation.switch_step, restart=restart,
+                connect_timeout_s=offer.connect_timeout_s, switch_step=formation.switch_step, restart=restart,
                 resume_from=self.latest_checkpoint if restart else None,
             ))
 

@@ -246,6 +246,12 @@ class FailureConfig(_Frozen):
         "retransmitting it) is cut off from them (a partial partition); the smallest set of members that explains "
         "every such link is healed around."
     )
+    connect_floor_s: float = Field(
+        0.1, gt=0, description="A generation's members get 4 times the slowest connect of the last generation "
+        "to connect its groups, never less than this, doubled after each generation that failed to form, never "
+        "more than 3 s. A member that dies inside a heal's connect costs its peers up to 5 times it (gloo's "
+        "retries): the default keeps that within 0.5 s."
+    )
     hang_ceiling_s: float = Field(
         600.0, gt=0, description="The stall deadline is never longer than this (and is this until steps are measured)."
     )

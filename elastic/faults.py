@@ -11,6 +11,7 @@ or as spec strings, as in `elastic demo --inject kill:rank=1,step=20`.
 |---|---|---|
 | kill | `kill:rank=1,step=20[,where=allreduce]` | the process dies (`os._exit`): before the step's forward, or inside its gradient all-reduce after its peers entered it |
 | kill | `kill:rank=1,step=20,where=barrier` | the process dies as it reaches the barrier of the first generation it joins at or after the step, as rank `rank` of it (a death during a formation) |
+| kill | `kill:rank=1,step=20,where=connect` | the process dies past the barrier of the first generation it joins at or after the step, as rank `rank` of it, before it connects: its peers wait in the connect for its address (a death inside a heal's connect) |
 | kill | `kill:rank=1,step=20,where=prepare` | the process dies as it answers the first grow's prepare at or after the step (a death while a newcomer waits to join) |
 | hang | `hang:rank=1,step=20` | the rank blocks forever inside its gradient all-reduce; the controller must detect and kill it |
 | slow | `slow:rank=1,step=20,factor=3` | from then on the rank's steps take `factor` times longer (a straggler) |
@@ -42,7 +43,7 @@ class Fault(BaseModel):
     kind: FaultKind = Field(..., description="What happens; see the table in this module's docstring.")
     rank: int = Field(0, ge=0, description="Rank (in the generation current at that step) that fails.")
     step: int = Field(..., ge=0, description="Global step (0-based) at which the fault fires.")
-    where: Literal["step_start", "allreduce", "barrier", "prepare", "formation"] = Field(
+    where: Literal["step_start", "allreduce", "barrier", "connect", "prepare", "formation"] = Field(
         "step_start", description="When it fires; see the table in this module's docstring."
     )
     factor: float | None = Field(None, gt=1, description="For slow: how many times longer each step takes.")
@@ -53,7 +54,7 @@ class Fault(BaseModel):
             raise ValueError("a slow fault needs factor=F (F > 1), e.g. slow:rank=1,step=20,factor=3")
         if self.kind != "slow" and self.factor is not None:
             raise ValueError(f"factor only applies to slow faults, not {self.kind}")
-        allowed = {"kill": ("step_start", "allreduce", "barrier", "prepare"),
+        allowed = {"kill": ("step_start", "allreduce", "barrier", "connect", "prepare"),
                    "controller-kill": ("step_start", "formation")}.get(self.kind, ("step_start",))
         if self.where not in allowed:
             raise ValueError(f"where={self.where} does not apply to {self.kind} faults; use one of {', '.join(allowed)}")
@@ -68,7 +69,7 @@ class Fault(BaseModel):
     def at_or_after(self) -> bool:
         """Fires at the first chance at or after `step`, not at exactly that step: formations
         and prepares happen at steps no one can name in advance."""
-        return self.where in ("barrier", "prepare", "formation")
+        return self.where in ("barrier", "connect", "prepare", "formation")
 
     def spec(self) -> str:
         parts = [f"rank={self.rank}", f"step={self.step}"]

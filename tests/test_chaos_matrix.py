@@ -3,7 +3,7 @@
 Each cell is a run with `min_workers=1, max_workers=3` and checkpoints every 8 steps, in
 which deaths land at one kind of moment: at a step's start, inside the gradient all-reduce,
 while a heal forms, while a grow forms (before and after the newcomer arrived), while a
-checkpoint is written, two within 100 ms, on rank 0, on a newcomer right after it joined, on
+checkpoint is written, inside a heal's connect, two within 100 ms, on rank 0, on a newcomer right after it joined, on
 the controller while it forms a generation, and on every worker at once. Some are injected
 with `Fault` at exact protocol points; the others are SIGKILLs sent from this process to the
 worker's pid, at moments that fall inside steps.
@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from elastic import CheckpointConfig, DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig
+from elastic.controller.policies import CONNECT_CEILING_S
 from workloads import (GLOBAL_BATCH, STEPS_PER_EPOCH, OutsideKiller, fit_held, regression_loop, regression_reference,
                        workers_started)
 
@@ -62,6 +63,8 @@ CELLS = {
     "mid-step-sigkill": Cell(kill="mid-step"),
     "heal-formation": Cell(faults=(Fault(kind="kill", rank=2, step=12), Fault(kind="kill", rank=1, step=12, where="barrier")),
                            victims=2),
+    "heal-connect": Cell(faults=(Fault(kind="kill", rank=2, step=12), Fault(kind="kill", rank=1, step=12, where="connect")),
+                         victims=2),
     "grow-before-newcomer-joined": Cell(faults=(Fault(kind="kill", rank=2, step=4),
                                                 Fault(kind="kill", rank=0, step=5, where="prepare")),
                                         victims=2, newcomer=True),
@@ -154,21 +157,37 @@ def run_cell(name, cell, pace, reference, tmp_path):
     return result
 
 
-# At fast steps CI leaves out eight moments that other CI tests also kill at (a step's start
+# At fast steps CI leaves out nine moments that other CI tests also kill at (a step's start
 # and inside the all-reduce: test_healing, test_chaos, test_streaming; a grow's formation
-# before the newcomer joined: its twin after the join stays; a checkpoint write: test_chaos's
+# before the newcomer joined: its twin after the join stays; a heal's formation at its barrier:
+# the death inside the heal's connect, later in the same formation; a checkpoint write: test_chaos's
 # checkpoint-crash faults; every worker: test_resume's restart from storage; the controller during
 # a formation: test_resume kills the controller mid-run; rank 0: test_chaos puts every fault on
 # rank 0; an outside SIGKILL mid-step: the two SIGKILLs within 100 ms, and the slow newcomer
 # cell's); a newcomer killed right after it joined: the slow-step cell; `-m soak` runs them too.
-FAST_IN_SOAK_ONLY = ("step-start", "mid-allreduce", "grow-before-newcomer-joined", "checkpoint-write", "every-worker",
+FAST_IN_SOAK_ONLY = ("step-start", "mid-allreduce", "heal-formation", "grow-before-newcomer-joined", "checkpoint-write",
+                     "every-worker",
                      "controller-during-formation", "rank-0", "mid-step-sigkill", "newcomer-right-after-it-joined")
-FAST_CELLS = [pytest.param(name, marks=pytest.mark.soak) if name in FAST_IN_SOAK_ONLY else name for name in CELLS]
+FAST_CELLS = [pytest.param(name, marks=pytest.mark.soak) if name in FAST_IN_SOAK_ONLY else name for name in CELLS
+              if name != "heal-connect"]
 
 
 @pytest.mark.parametrize("name", FAST_CELLS)
 def test_fast_steps_survive_a_death_at_every_moment(local_ray, references, tmp_path, name):
     run_cell(name, CELLS[name], FAST, references[FAST], tmp_path)
+
+
+def test_a_death_inside_a_heals_connect_fails_that_connect_at_a_deadline_from_the_last_connect(
+    local_ray, references, tmp_path
+):
+    result = run_cell("heal-connect", CELLS["heal-connect"], FAST, references[FAST], tmp_path)
+    # The survivor waited for the dead peer's address in gloo's connect until the offer's deadline,
+    # which followed the connects measured instead of the 3 s ceiling.
+    errors = [e["error"] for e in result.events_of("formation_failed") if "did not connect" in e["error"]]
+    assert errors, f"no member's connect failed: {result.events_of('formation_failed')}"
+    for error in errors:
+        deadline = float(error.split("did not connect within its ")[1].split(" s deadline")[0])
+        assert deadline < CONNECT_CEILING_S, error
 
 
 @pytest.mark.parametrize("name", SLOW_CELLS)

@@ -234,11 +234,12 @@ def test_every_fault_kind_parses_and_kind_specific_options_are_checked():
 
 def test_a_fault_moment_that_does_not_apply_to_its_kind_is_rejected_naming_the_ones_that_do():
     assert parse_fault("kill:rank=1,step=5,where=barrier").at_or_after
+    assert parse_fault("kill:rank=1,step=5,where=connect").at_or_after
     assert parse_fault("controller-kill:step=5,where=formation").where == "formation"
     with pytest.raises(ValueError, match="where=barrier does not apply to hang faults; use one of step_start"):
         parse_fault("hang:rank=1,step=5,where=barrier")
     with pytest.raises(ValueError, match="where=formation does not apply to kill faults; use one of step_start, "
-                       "allreduce, barrier, prepare"):
+                       "allreduce, barrier, connect, prepare"):
         parse_fault("kill:rank=1,step=5,where=formation")
 
 

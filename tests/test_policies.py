@@ -3,8 +3,8 @@
 import pytest
 
 from elastic.controller.policies import (
-    NoopDecision, ResizeDecision, WaitDecision, decide_failure, decide_membership, find_cut_off, reach_deadline,
-    workers_to_start,
+    CONNECT_CEILING_S, NoopDecision, ResizeDecision, WaitDecision, connect_deadline, decide_failure,
+    decide_membership, find_cut_off, reach_deadline, workers_to_start,
 )
 
 
@@ -125,6 +125,15 @@ def test_members_are_pinged_after_1_2_median_steps_within_the_floor_and_the_ceil
     # about ceiling + ping timeout, not 1.2 steps after the last commit.
     assert reach_deadline([3.0] * 10, floor_s=0.5, ceiling_s=1.0) == 1.0
     assert reach_deadline([3.0], floor_s=0.5, ceiling_s=1.0) == 0.5  # not measured yet
+
+
+def test_a_connect_gets_4_times_the_last_within_the_floor_doubling_per_failure_up_to_the_ceiling():
+    assert connect_deadline(None, 0, floor_s=0.1) == CONNECT_CEILING_S  # fresh processes: no connect measured
+    assert connect_deadline(0.005, 0, floor_s=0.1) == 0.1  # loopback connects: the floor
+    assert connect_deadline(0.05, 0, floor_s=0.1) == pytest.approx(0.2)
+    assert connect_deadline(0.005, 2, floor_s=0.1) == pytest.approx(0.4)  # two generations failed to form
+    assert connect_deadline(0.005, 6, floor_s=0.1) == CONNECT_CEILING_S
+    assert connect_deadline(2.0, 0, floor_s=0.1) == CONNECT_CEILING_S
 
 
 # --- a partial partition: the smallest set of members that explains every cut link ----------------

@@ -12,6 +12,7 @@ import pytest
 
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.controller.fake_group import MAX_STEPS, FakeWorkerGroup, death
+from elastic.controller.policies import CONNECT_CEILING_S
 from elastic.controller.protocol import MAX_FAILED_FORMATIONS, Protocol, Status
 from elastic.controller.signals import (
     PREPARE_SLACK_STEPS, Abort, FormedReport, GroupBroken, Offer, Prepare, ProbesRead, ShardWritten, Tick,
@@ -436,7 +437,7 @@ def test_members_waiting_on_an_unreachable_peer_are_released_not_blamed():
 
 def test_a_member_connecting_a_generation_whose_peer_died_after_the_barrier_is_not_blamed():
     # Two deaths within milliseconds: the second lands after generation 1's "go", so the survivor
-    # waits in gloo's connect for the dead peer (up to CONNECT_TIMEOUT_S) while generation 2 is
+    # waits in gloo's connect for the dead peer (up to its connect deadline) while generation 2 is
     # offered. Past the hang deadline it has not come to generation 2, but it is waiting, not hung.
     group = FakeWorkerGroup(min_workers=1)
     group.start_run(0, 1, 2)
@@ -727,3 +728,19 @@ def test_a_hung_worker_is_evicted_with_its_replica_and_a_mate_already_evicted_is
         group.die(worker_id)
     assert sorted(group.killed) == [0, 1, 2, 3], "a worker was killed twice"
     assert len(group.events("worker_failed")) == 4
+
+
+def test_each_offer_carries_a_connect_deadline_from_the_last_connect_that_doubles_while_formations_fail():
+    group = FakeWorkerGroup(min_workers=1)
+    group.ready(0, 1, 2)
+    group.send(Tick(), after_s=group.protocol.scaling.start_grace_s + 0.1)
+    assert group.latest_offer.connect_timeout_s == CONNECT_CEILING_S  # the run's first connect
+    reports = group.formed_reports()
+    reports[1] = dataclasses.replace(reports[1], timings={"connect_s": 0.04, "sync_s": 0.01})
+    group.deliver(reports)
+    group.die(2)
+    assert group.latest_offer.connect_timeout_s == pytest.approx(0.16)  # 4 times the slowest member's
+    healing = group.latest_offer.formation.generation
+    group.send(FormedReport(0, healing, ok=False, error="RuntimeError: Connect timeout"))
+    assert group.latest_offer.formation.generation > healing
+    assert group.latest_offer.connect_timeout_s == pytest.approx(0.32)

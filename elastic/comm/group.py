@@ -43,9 +43,12 @@ NCCL_SURVIVOR_MODE = "2"
 os.environ[NCCL_ERROR_HANDLING] = NCCL_SURVIVOR_MODE
 
 # After the barrier every member is known to be present, so connecting takes milliseconds (at
-# most 0.31 s in this project's suite and soak runs, 8 workers on 2 cores); this bounds only a
-# member that dies in that window. A survivor that listens for the dead member's connection
-# waits five times this in gloo (measured: 50 s at 10 s, 15 s at 3 s). Not compared with step times.
+# most 0.31 s in this project's suite and soak runs, 8 workers on 2 cores); the timeout bounds
+# only a member that dies in that window. A survivor that listens for the dead member's
+# connection waits five times it in gloo (measured: 50 s at 10 s, 15 s at 3 s, 0.51 s at 0.1 s).
+# The controller offers each generation a deadline from the last connect's time
+# (`elastic.controller.policies.connect_deadline`, at most `CONNECT_CEILING_S`, this value);
+# this is a spec's default.
 CONNECT_TIMEOUT_S = 3.0
 # How long one wait on the barrier's outcome key lasts before it is renewed.
 BARRIER_POLL_S = 30.0
@@ -71,6 +74,8 @@ class GenerationSpec:
     backend: str
     reason: str
     collective_timeout_s: float
+    # How long connecting the generation's groups may take (`elastic.controller.policies.connect_deadline`).
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
     # Where the members of the running generation switch to this one; None: at once.
     switch_step: int | None = None
     # No member holds live state: every member drops its progress and rank 0 loads this
@@ -178,8 +183,9 @@ class StoreClient:
 def form_group(spec: GenerationSpec, store: dist.TCPStore) -> None:
     """Connect the default process group of generation `spec.generation`; call after a "go".
 
-    The collective timeout applies once the group exists; connecting is bounded by
-    CONNECT_TIMEOUT_S, which only a member dying right after the barrier can reach.
+    The collective timeout applies once the group exists; connecting is bounded by the spec's
+    connect timeout, which only a member dying right after the barrier (or a machine far slower
+    than at the last connect) can reach.
     """
     leave_group(spec.backend)
     set_torchrun_env(spec)
@@ -193,7 +199,7 @@ def form_group(spec: GenerationSpec, store: dist.TCPStore) -> None:
         store=dist.PrefixStore(f"{spec.prefix}/group", store),
         rank=spec.rank,
         world_size=spec.world_size,
-        timeout=timedelta(seconds=min(CONNECT_TIMEOUT_S, spec.collective_timeout_s)),
+        timeout=timedelta(seconds=min(spec.connect_timeout_s, spec.collective_timeout_s)),
     )
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=spec.collective_timeout_s))
 
@@ -319,7 +325,10 @@ def leave_group(backend: str, held: list[Any] | None = None) -> None:
     A gloo group is let go of on a thread of its own. Its last reference closes its sockets
     one peer at a time, and each close waits for a tick of gloo's event loop (up to 10 ms):
     ~0.15 s at 16 ranks on the train thread, in every heal and every grow. It also joins
-    gloo's threads, which wait for any operation still blocked on a dead peer. No garbage
+    gloo's threads, which wait for any operation still blocked on a dead peer: among them a
+    send that gloo started on a connection the abort had already severed, which gloo does not
+    fail and which waits for the peer's readiness until the collective timeout (seen in the
+    hierarchy's queued reduces, tests/test_hierarchical.py). No garbage
     collection is forced here either: it cost about 0.2 s of every heal and grow.
 
     `held` lists the caller's last references to subgroups of the group (a run of replicas'),

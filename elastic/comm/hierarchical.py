@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic.comm.group import CONNECT_TIMEOUT_S, PEER_ABORT_MARKER, GenerationSpec
+from elastic.comm.group import PEER_ABORT_MARKER, GenerationSpec
 
 Collective = Callable[[torch.Tensor, dist.ProcessGroup], dist.Work]
 
@@ -60,6 +60,7 @@ class HierarchicalAllReduce:
         self._lock = threading.Lock()
         self._groups: dict[str, dist.ProcessGroup] = {}  # this rank's, by stage; emptied by `release`
         self._failed: BaseException | None = None
+        self._pending: set[torch.futures.Future] = set()  # all-reduces not yet settled
         self.calls = 0  # all-reduces that went through the hierarchy
         # Every rank creates every group, in the same order; new_group sorts their ranks, so each
         # node's leader, its lowest rank, is rank 0 of its node's groups.
@@ -81,20 +82,41 @@ class HierarchicalAllReduce:
     def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Sum `tensor` across the generation in place: a future of it, as `flat_all_reduce` gives."""
         self.calls += 1
+        result: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            failed = self._failed
+            if failed is None:
+                self._pending.add(result)
+        if failed is not None:
+            result.set_exception(failed)  # nothing more is issued in a generation that failed
+            return result
         summed = _completed(tensor)
         for stage, collective in self._stages:
             summed = self._after(summed, stage, collective)
-        return summed
+        summed.add_done_callback(lambda done: self._finish(result, done))
+        return result
+
+    def abort(self, reason: str) -> None:
+        """Fail every pending and later all-reduce with `reason`, from any thread. A stage's
+        collective may never complete once its group is shut down (`leave_group`), so a pending
+        all-reduce is failed here rather than left to its stages."""
+        self._fail(RuntimeError(reason))
+        with self._lock:
+            pending, self._pending = self._pending, set()
+        for result in pending:
+            result.set_exception(self._failed)
 
     def release(self) -> list[dist.ProcessGroup]:
-        """Hand over this rank's subgroups, for `leave_group` to let go of; a stage not yet issued then fails."""
+        """Hand over this rank's subgroups, for `leave_group` to let go of; every pending and later
+        all-reduce fails."""
         with self._lock:
             held, self._groups = list(self._groups.values()), {}
+        self.abort(f"{PEER_ABORT_MARKER}: the generation's groups were left")
         return held
 
     def _subgroup(self, stage: str, ranks: list[int], spec: GenerationSpec) -> None:
         # Connecting is bounded as the world group's is (`form_group`); collectives by the run's timeout.
-        group = dist.new_group(ranks, timeout=timedelta(seconds=min(CONNECT_TIMEOUT_S, spec.collective_timeout_s)))
+        group = dist.new_group(ranks, timeout=timedelta(seconds=min(spec.connect_timeout_s, spec.collective_timeout_s)))
         if spec.rank in ranks:
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=spec.collective_timeout_s), group)
             self._groups[stage] = group
@@ -138,6 +160,16 @@ class HierarchicalAllReduce:
             done.set_exception(exc)
             return
         done.set_result(tensor)
+
+    def _finish(self, result: torch.futures.Future, done: torch.futures.Future) -> None:
+        with self._lock:
+            if result not in self._pending:
+                return  # aborted: already failed
+            self._pending.discard(result)
+        try:
+            result.set_result(done.value())
+        except Exception as exc:
+            result.set_exception(exc)
 
     def _fail(self, exc: BaseException) -> None:
         """Issue nothing more in this generation: this rank now misses a collective its peers may issue."""

@@ -14,6 +14,10 @@ from typing import Literal, Sequence
 MIN_STEP_SAMPLES = 5
 # A step that takes this many median steps without committing is worth a ping of every member.
 REACH_FACTOR = 1.2  # a step 20% over the median costs a poll, no verdict
+# A generation's connect may take this many times the last one's before it is given up, and
+# never more than the ceiling (the connect timeout of a worker's spec, `elastic.comm.group`).
+CONNECT_FACTOR = 4
+CONNECT_CEILING_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,22 @@ def reach_deadline(step_times: Sequence[float], floor_s: float, ceiling_s: float
     if len(step_times) < MIN_STEP_SAMPLES:
         return floor_s
     return min(ceiling_s, max(floor_s, REACH_FACTOR * statistics.median(step_times)))
+
+
+def connect_deadline(last_connect_s: float | None, failed_in_a_row: int, floor_s: float,
+                     ceiling_s: float = CONNECT_CEILING_S) -> float:
+    """How long a generation's members may take to connect its groups: CONNECT_FACTOR times the
+    slowest connect of the last generation that formed, never less than `floor_s`, doubled for
+    each generation in a row that failed to form, and never more than `ceiling_s` (nor less than
+    the ceiling before any generation formed: fresh processes connect their first group).
+
+    A member that dies after the barrier leaves its peers waiting in gloo's connect until this
+    expires (5 times it where the peer published its address and never connected: gloo's own
+    retries), so it bounds what a death inside a heal's connect costs; an expiry on a slow
+    machine costs one more offer, with twice the time."""
+    if last_connect_s is None:
+        return ceiling_s
+    return min(ceiling_s, max(floor_s, CONNECT_FACTOR * last_connect_s) * 2 ** failed_in_a_row)
 
 
 def find_hung(progress: dict[int, tuple[int, ...] | None]) -> list[int]:

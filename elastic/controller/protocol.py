@@ -85,6 +85,7 @@ class Protocol:
     node_failures: dict[str, list[float]] = field(default_factory=dict)
     outcomes: dict[int, WorkerExited] = field(default_factory=dict)
     failed_formations: int = 0
+    connect_s: float | None = None  # the slowest member's connect in the last generation that formed
     heals_without_step: int = 0
     committed_at_step: int = -1
     first_ready_at: float | None = None
@@ -215,9 +216,18 @@ class Protocol:
             return [Abort(state.formation.generation, self.members),
                     *self._enter(Running(self.running), f"no grow: step {switch} is past max_steps")]
         formation = dataclasses.replace(state.formation, switch_step=switch, decided_at=now)
-        return [Offer(formation), *self._enter(Forming(formation), f"{formation.detail}, switching at step {switch}")]
+        return [self._offer(formation), *self._enter(Forming(formation), f"{formation.detail}, switching at step {switch}")]
 
     def _on_formed(self, obs: FormedReport, now: float) -> list[Action]:
+        """A member's report of joining a generation; one that could not is journaled even when the
+        generation was given up meanwhile (a death inside its connect, seen first)."""
+        actions = self._formed(obs, now)
+        if obs.ok:
+            return actions
+        failed = {"generation": obs.generation, "worker_id": obs.worker_id, "error": obs.error}
+        return [Emit("formation_failed", failed), *actions]
+
+    def _formed(self, obs: FormedReport, now: float) -> list[Action]:
         state = self.state
         if not isinstance(state, Forming) or state.formation.generation != obs.generation:
             return []
@@ -438,7 +448,11 @@ class Protocol:
         self.progress_at = now
         if reason == Reason.GROW:
             return [Prepare(formation.generation, self.members), *self._enter(Preparing(formation), decision.reason)]
-        return [Offer(formation, restart=restart), *self._enter(Forming(formation), decision.reason)]
+        return [self._offer(formation, restart), *self._enter(Forming(formation), decision.reason)]
+
+    def _offer(self, formation: Formation, restart: bool = False) -> Offer:
+        deadline = policies.connect_deadline(self.connect_s, self.failed_formations, self.failure.connect_floor_s)
+        return Offer(formation, restart, deadline)
 
     def _commit(self, formation: Formation, acked: dict[int, FormedReport], now: float) -> list[Action]:
         old_size, self.running_size = self.running_size, len(formation.members)
@@ -454,6 +468,7 @@ class Protocol:
             self.workers[worker_id].holds_state = True
         first = acked[formation.members[0]]
         phases = {k: max(r.timings.get(k, 0.0) for r in holders) for k in ("leave_s", "barrier_s", "connect_s", "sync_s")}
+        self.connect_s = max(r.timings.get("connect_s", 0.0) for r in acked.values())
         actions: list[Action] = [Emit("generation_formed", {
             "generation": formation.generation, "world_size": len(formation.members), "kind": formation.reason.value,
             "reason": formation.detail, "seconds": now - formation.since, "source_rank": first.source_rank,

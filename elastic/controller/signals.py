@@ -8,6 +8,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic.controller.policies import CONNECT_CEILING_S
 from elastic.controller.states import Formation, Reason
 
 # --- observations ---------------------------------------------------------------------
@@ -116,7 +117,7 @@ class ProbeReading:
     @property
     def connecting(self) -> bool:
         """Past a barrier's "go", connecting that generation's groups: waiting on its peers, for at
-        most CONNECT_TIMEOUT_S (a peer that died right after the barrier), never hung."""
+        most its connect deadline (a peer that died right after the barrier), never hung."""
         return self.arrived > self.connected
 
 
@@ -150,10 +151,12 @@ class Prepare:
 
 @dataclass(frozen=True)
 class Offer:
-    """Send each member its spec of `formation`; `restart`: nobody holds live state."""
+    """Send each member its spec of `formation`; `restart`: nobody holds live state;
+    `connect_timeout_s`: how long its members may take to connect its groups."""
 
     formation: Formation
     restart: bool = False
+    connect_timeout_s: float = CONNECT_CEILING_S
 
 
 @dataclass(frozen=True)

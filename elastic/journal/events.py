@@ -39,6 +39,7 @@ EVENT_TYPES = (
     "worker_started",
     "worker_failed",
     "generation_formed",
+    "formation_failed",
     "recovery",
     "rescale",
     "decision",

@@ -7,6 +7,7 @@ The train context calls `FaultInjector.at(point, rank, step)` at a few named poi
 | `step_start` | before a step's forward |
 | `allreduce` | inside the gradient all-reduce: DDP's, on its own path, once the backward's last gradient accumulated (`Generation.inside_all_reduce`); a replica kind's average |
 | `barrier` | as the rank reaches the barrier of a generation it joins |
+| `connect` | past the barrier's "go" of a generation it joins, before its connect: its peers wait for its address |
 | `prepare` | as the rank answers a grow's prepare (on the worker's control thread) |
 
 A fault fires once per `fit()`: the first rank to meet it claims it through the run's store
@@ -28,6 +29,7 @@ _KINDS_AT = {
     "step_start": ("kill", "node-loss", "raise", "slow", "controller-kill"),
     "allreduce": ("kill", "hang"),
     "barrier": ("kill",),
+    "connect": ("kill",),
     "prepare": ("kill",),
 }
 

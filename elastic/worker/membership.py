@@ -200,6 +200,7 @@ class Membership:
         started = time.perf_counter()
         if not rendezvous(spec, store):
             return None
+        self._faults.at("connect", spec.rank, self._progress.step)
         arrived = time.perf_counter()
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
@@ -217,7 +218,8 @@ class Membership:
         except WorkerEvictedError:
             raise
         except Exception as exc:
-            raise _ConnectFailed(f"generation {spec.generation} did not connect: {type(exc).__name__}: {exc}") from exc
+            raise _ConnectFailed(f"generation {spec.generation} did not connect within its {spec.connect_timeout_s:.2f} s "
+                                 f"deadline: {type(exc).__name__}: {exc}") from exc
         self._probe.connected = spec.generation
         # Under the hierarchy a rank learns of a death on another node only through its node's leader.
         within_nodes = hierarchy[0] if hierarchy else None
