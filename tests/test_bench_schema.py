@@ -124,6 +124,8 @@ QUOTED_KEYS = {
         "partition_detect_s.3s",
         "partial_partition_recovery_s",
         "partial_partition_detect_s",
+        "death_inside_connect_recovery_s",
+        "death_inside_connect_fixed_deadline_s",
         "hook_cost_ratio_2_ranks",
         "abortable_hook_cost_ratio_2_ranks",
         "store_stall_60s_longest_gap_steps",
