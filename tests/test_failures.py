@@ -26,6 +26,9 @@ def _trainer(tmp_path, name, scaling, failure=FailureConfig(), faults=(), **loop
     )
 
 
+# The suite's time on 2 cores: the worded run below asserts the same at max_failures=0 (the rank,
+# the message, the user's traceback, the run failed) with a message that reads like a network failure.
+@pytest.mark.soak
 def test_a_user_exception_fails_the_run_with_its_rank_and_remote_traceback(local_ray, tmp_path):
     trainer = _trainer(tmp_path, "user-error", ScalingConfig(min_workers=2, max_workers=2), raise_from=(1, 5))
     with pytest.raises(TrainingFailedError) as caught:
