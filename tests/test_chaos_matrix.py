@@ -43,7 +43,8 @@ class Pace:
     hang_floor_s: float
 
 
-FAST = Pace(max_steps=20 * STEPS_PER_EPOCH, compute_s=0.0, hang_floor_s=2.0)
+# Long enough past the latest fault (step 16) and the grows it is held for (fit_held).
+FAST = Pace(max_steps=8 * STEPS_PER_EPOCH, compute_s=0.0, hang_floor_s=2.0)
 SLOW = Pace(max_steps=8 * STEPS_PER_EPOCH, compute_s=0.25, hang_floor_s=1.0)
 SOAK = Pace(max_steps=3 * STEPS_PER_EPOCH, compute_s=3.0, hang_floor_s=10.0)
 

@@ -22,8 +22,13 @@ train loop's own, whatever its message says: an application error, never healed 
 
 from __future__ import annotations
 
+import concurrent.futures
+import queue
 import threading
+from collections.abc import Iterable
 from typing import Any
+
+import torch
 
 import torch.distributed as dist
 
@@ -45,11 +50,15 @@ class GenerationGroup:
         self.hierarchy = hierarchy
         self._lock = threading.Lock()
         self._aborted: str | None = None
+        self._abort_told: concurrent.futures.Future = concurrent.futures.Future()  # its result: the reason
+        self._peer_waits: _PeerWaits | None = None  # started by the first wait on sends and receives
 
     def abort(self, reason: str) -> None:
         """Fail whatever waits on this generation's groups, from any thread; the first reason sticks."""
         with self._lock:
             self._aborted = self._aborted or reason
+            if not self._abort_told.done():
+                self._abort_told.set_result(self._aborted)
         self.gradients.abort(reason)
         if self.hierarchy is not None:
             self.hierarchy.abort(reason)
@@ -70,7 +79,49 @@ class GenerationGroup:
         """Stop the generation's gradient all-reduces and hand over its subgroups, for
         `elastic.comm.group.leave_group` to let go of: this process leaves the generation."""
         self.gradients.abort(f"{PEER_ABORT_MARKER}: generation {self.generation} was left")
+        if self._peer_waits is not None:
+            self._peer_waits.close()
         return self.hierarchy.release() if self.hierarchy is not None else []
+
+    def wait_peers(self, works: Iterable[Any]) -> None:
+        """Wait for sends and receives of this generation's groups, for as long as a collective may,
+        or fail at once when the generation is aborted (see `wait_p2p`)."""
+        if self._peer_waits is None:
+            self._peer_waits = _PeerWaits(f"elastic-p2p-{self.generation}")
+        timeout = self.world._get_backend(torch.device("cpu")).options._timeout
+        done = self._peer_waits.wait(list(works), timeout)
+        concurrent.futures.wait([done, self._abort_told], return_when=concurrent.futures.FIRST_COMPLETED)
+        if not done.done():
+            raise RuntimeError(self._abort_told.result())
+        done.result()
+
+
+class _PeerWaits:
+    """A daemon thread that waits on a generation's sends and receives for the train thread: one
+    blocked on a peer that gave up outlives the generation there, until gloo's timeout ends it."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def wait(self, works: list[Any], timeout: Any) -> concurrent.futures.Future:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((works, timeout, done))
+        return done
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            works, timeout, done = item
+            try:
+                for work in works:
+                    work.wait(timeout)
+            except Exception as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
 
 
 _current: GenerationGroup | None = None
@@ -84,6 +135,31 @@ def enter(group: GenerationGroup | None) -> None:
 
 def current() -> GenerationGroup | None:
     return _current
+
+
+def wait_p2p(works: Iterable[Any]) -> None:
+    """Wait for point-to-point sends and receives (`dist.batch_isend_irecv`'s works) of the
+    generation this process is in.
+
+    On gloo, a send or receive's plain `wait()` lasts as long as the timeout its group connected
+    with (the generation's connect deadline, a fraction of a second; a subgroup's 30 minutes),
+    not the collective timeout set once it connected: a pipeline stage waiting a step's compute
+    for its neighbour would time out and close the connection ("Application timeout caused pair
+    closure" for every collective after it). And a send that waits for a peer's readiness is not
+    failed when the generation's connections are severed: gloo waits on until that timeout,
+    which held a surviving pipeline stage past the hang deadline after a node loss. So the works
+    are waited for, with the run's collective timeout, on a thread of the generation's own, while
+    this thread returns with their outcome or at once with the generation's abort.
+
+    NCCL's `wait()` only orders streams, and outside a generation nothing aborts: plain waits.
+    torch's pipeline schedules wait through this too (`elastic.parallel.pipeline`).
+    """
+    group = _current
+    if group is None or group.backend != "gloo":
+        for work in works:
+            work.wait()
+        return
+    group.wait_peers(works)
 
 
 def peer_failed(exc: BaseException) -> bool:

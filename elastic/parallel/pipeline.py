@@ -47,8 +47,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import schedules
 
+from elastic.comm.generation import wait_p2p
 from elastic.errors import ElasticError
+
+# torch's schedules wait on each batch of sends and receives with a plain `wait()`, which on gloo
+# neither lasts a step's compute nor ends with the generation's abort (`wait_p2p`). They look the
+# function up at each call.
+schedules._wait_batch_p2p = wait_p2p
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}  # parts each stage runs

@@ -148,9 +148,9 @@ class PipelinedKind(ReplicaModel):
     """A pipelined run's prepared model: this worker's stage (tensor-parallel slices of it in 3D)."""
 
     needs_full_steps = True
-    # torch's schedules run the stage's layers (DTensor's, in 3D), and wait on a batch of sends and receives
-    # in `_wait_batch_p2p`.
-    compute_frames = ComputeFrames(("torch.distributed.pipelining", DTENSOR), waits=("_wait_batch_p2p",))
+    # torch's schedules run the stage's layers (DTensor's, in 3D); they wait on a batch of sends and
+    # receives in `elastic.comm.generation.wait_p2p`, which the hang probe knows as a wait on peers.
+    compute_frames = ComputeFrames(("torch.distributed.pipelining", DTENSOR))
 
     def __init__(self, place: WorkerPlace, model: nn.Sequential | None, objects: dict[str, Any],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, plan: Plan | None,

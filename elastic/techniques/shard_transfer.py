@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.comm.generation import peer_failed
+from elastic.comm.generation import peer_failed, wait_p2p
 from elastic.errors import ElasticError
 from elastic.techniques.shard_plan import Layout, Transfer, buddies_of
 
@@ -152,5 +152,4 @@ def assemble(pieces: Sequence[dict[str, Any]], rank_layout: RankLayout, keeper: 
 
 def exchange(ops: list[dist.P2POp]) -> None:
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        wait_p2p(dist.batch_isend_irecv(ops))

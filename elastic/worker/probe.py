@@ -4,7 +4,8 @@ The controller's hang check compares these counts across the members of one gene
 rank that never entered a step's gradient sync, while its peers did and wait in it, is the one
 that hangs. `HangProbe` counts what the train thread reached (the gradient syncs it entered, the
 all-reduces it launched, the newest generation whose barrier it reached and whose groups it
-connected), and reads from the train thread's stack whether it waits inside torch.distributed.
+connected), and reads from the train thread's stack whether it waits inside torch.distributed (or
+in `elastic.comm.generation.wait_p2p`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
+
+from elastic.comm.generation import wait_p2p
+
+# The project's own wait on sends and receives (torch's schedules' too): a wait on peers.
+_P2P_WAIT = wait_p2p.__code__
 
 if TYPE_CHECKING:
     from elastic.parallel.prepared import ComputeFrames
@@ -78,7 +84,7 @@ class HangProbe:
             # Some kinds' torch.distributed modules run the model's compute too: of their own frames,
             # only a wait on peers counts (DTensor's collectives show in _functional_collectives' frames).
             waits = not module.startswith(computing.modules) or frame.f_code.co_name in computing.waits
-            if module.startswith("torch.distributed") and waits:
+            if module.startswith("torch.distributed") and waits or frame.f_code is _P2P_WAIT:
                 called = called or frame.f_code.co_name
             elif called is not None:
                 code = frame.f_code
