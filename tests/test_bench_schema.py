@@ -126,6 +126,8 @@ QUOTED_KEYS = {
         "partial_partition_detect_s",
         "death_inside_connect_recovery_s",
         "death_inside_connect_fixed_deadline_s",
+        "p2p_wait_overhead_us",
+        "p2p_wait_ratio",
         "hook_cost_ratio_2_ranks",
         "abortable_hook_cost_ratio_2_ranks",
         "store_stall_60s_longest_gap_steps",

@@ -22,7 +22,6 @@ train loop's own, whatever its message says: an application error, never healed 
 
 from __future__ import annotations
 
-import concurrent.futures
 import queue
 import threading
 from collections.abc import Iterable
@@ -50,15 +49,15 @@ class GenerationGroup:
         self.hierarchy = hierarchy
         self._lock = threading.Lock()
         self._aborted: str | None = None
-        self._abort_told: concurrent.futures.Future = concurrent.futures.Future()  # its result: the reason
         self._peer_waits: _PeerWaits | None = None  # started by the first wait on sends and receives
 
     def abort(self, reason: str) -> None:
         """Fail whatever waits on this generation's groups, from any thread; the first reason sticks."""
         with self._lock:
             self._aborted = self._aborted or reason
-            if not self._abort_told.done():
-                self._abort_told.set_result(self._aborted)
+            peer_waits = self._peer_waits
+        if peer_waits is not None:
+            peer_waits.abort(self._aborted)
         self.gradients.abort(reason)
         if self.hierarchy is not None:
             self.hierarchy.abort(reason)
@@ -86,14 +85,13 @@ class GenerationGroup:
     def wait_peers(self, works: Iterable[Any]) -> None:
         """Wait for sends and receives of this generation's groups, for as long as a collective may,
         or fail at once when the generation is aborted (see `wait_p2p`)."""
-        if self._peer_waits is None:
-            self._peer_waits = _PeerWaits(f"elastic-p2p-{self.generation}")
-        timeout = self.world._get_backend(torch.device("cpu")).options._timeout
-        done = self._peer_waits.wait(list(works), timeout)
-        concurrent.futures.wait([done, self._abort_told], return_when=concurrent.futures.FIRST_COMPLETED)
-        if not done.done():
-            raise RuntimeError(self._abort_told.result())
-        done.result()
+        with self._lock:
+            if self._peer_waits is None:
+                self._peer_waits = _PeerWaits(f"elastic-p2p-{self.generation}")
+                if self._aborted is not None:
+                    self._peer_waits.abort(self._aborted)
+            peer_waits = self._peer_waits
+        peer_waits.wait(list(works), self.world._get_backend(torch.device("cpu")).options._timeout)
 
 
 class _PeerWaits:
@@ -102,26 +100,56 @@ class _PeerWaits:
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting: set[_Wait] = set()
+        self._aborted: str | None = None
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def wait(self, works: list[Any], timeout: Any) -> concurrent.futures.Future:
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((works, timeout, done))
-        return done
+    def wait(self, works: list[Any], timeout: Any) -> None:
+        """Return once `works` completed, or raise their error, or the abort's."""
+        call = _Wait(works, timeout)
+        with self._lock:
+            if self._aborted is not None:
+                raise RuntimeError(self._aborted)
+            self._waiting.add(call)
+        self._queue.put(call)
+        call.ended.wait()
+        with self._lock:
+            self._waiting.discard(call)
+        if not call.finished:
+            raise RuntimeError(self._aborted)
+        if call.error is not None:
+            raise call.error
+
+    def abort(self, reason: str) -> None:
+        with self._lock:
+            self._aborted = self._aborted or reason
+            waiting, self._waiting = self._waiting, set()
+        for call in waiting:
+            call.ended.set()
 
     def close(self) -> None:
         self._queue.put(None)
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            works, timeout, done = item
+        while (call := self._queue.get()) is not None:
             try:
-                for work in works:
-                    work.wait(timeout)
+                for work in call.works:
+                    work.wait(call.timeout)
             except Exception as exc:
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
+                call.error = exc
+            call.finished = True
+            call.ended.set()
+
+
+class _Wait:
+    """One wait on sends and receives, handed to `_PeerWaits`' thread."""
+
+    def __init__(self, works: list[Any], timeout: Any) -> None:
+        self.works, self.timeout = works, timeout
+        self.ended = threading.Event()  # set when they completed or failed, or at the abort
+        self.finished = False
+        self.error: Exception | None = None
 
 
 _current: GenerationGroup | None = None
