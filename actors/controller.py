@@ -303,7 +303,9 @@ class Controller:
             return signals.ProbeReading(**answer) if isinstance(answer, dict) else answer
 
         answers = await asyncio.gather(*(one(w) for w in members))
-        self.inbox.put_nowait(signals.ProbesRead({w: a for w, a in zip(members, answers) if a is not _DIED}))
+        # Kept by type, not by `_DIED`'s identity: a CI run once handed the protocol a bare object here.
+        self.inbox.put_nowait(signals.ProbesRead({w: a for w, a in zip(members, answers)
+                                                  if a is None or isinstance(a, signals.ProbeReading)}))
 
     async def _start_workers(self, worker_ids: tuple[int, ...]) -> None:
         """Place the workers here, create their actors on a thread, then watch them here. Ray's
