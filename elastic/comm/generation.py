@@ -4,8 +4,8 @@ Modelled on torchft's reconfigurable process group (`abort`, `errored`). A `Gene
 holds what generation g connected in this process: the default group, the subgroups of its sum
 within the nodes (`elastic.comm.hierarchical`), its gradient all-reduces (`GradientAllReduce`)
 and its connections (`GroupLinks`). Every abort of the generation goes through `abort(reason)`,
-which latches the reason, fails its pending gradient all-reduces (those summing within the
-nodes first too), aborts its NCCL communicator and severs its gloo connections.
+which latches the reason, fails its pending gradient all-reduces (and stops those summing within
+the nodes first from issuing more), aborts its NCCL communicator and severs its gloo connections.
 
 Whether the generation failed is told from facts, never from the text of an exception
 (`errored`):

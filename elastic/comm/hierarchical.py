@@ -60,7 +60,6 @@ class HierarchicalAllReduce:
         self._lock = threading.Lock()
         self._groups: dict[str, dist.ProcessGroup] = {}  # this rank's, by stage; emptied by `release`
         self._failed: BaseException | None = None
-        self._pending: set[torch.futures.Future] = set()  # all-reduces not yet settled
         self.calls = 0  # all-reduces that went through the hierarchy
         # Every rank creates every group, in the same order; new_group sorts their ranks, so each
         # node's leader, its lowest rank, is rank 0 of its node's groups.
@@ -82,33 +81,26 @@ class HierarchicalAllReduce:
     def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Sum `tensor` across the generation in place: a future of it, as `flat_all_reduce` gives."""
         self.calls += 1
-        result: torch.futures.Future = torch.futures.Future()
         with self._lock:
             failed = self._failed
-            if failed is None:
-                self._pending.add(result)
         if failed is not None:
-            result.set_exception(failed)  # nothing more is issued in a generation that failed
-            return result
+            # At once, not behind the stages: a stage whose last collective never completes (its
+            # group was shut down, `leave_group`) would never start this call's.
+            summed: torch.futures.Future = torch.futures.Future()
+            summed.set_exception(failed)
+            return summed
         summed = _completed(tensor)
         for stage, collective in self._stages:
             summed = self._after(summed, stage, collective)
-        summed.add_done_callback(lambda done: self._finish(result, done))
-        return result
+        return summed
 
     def abort(self, reason: str) -> None:
-        """Fail every pending and later all-reduce with `reason`, from any thread. A stage's
-        collective may never complete once its group is shut down (`leave_group`), so a pending
-        all-reduce is failed here rather than left to its stages."""
+        """Issue nothing more, from any thread: later all-reduces fail at once. The pending ones
+        are failed by the `GradientAllReduce` that calls this one (`GenerationGroup.abort`)."""
         self._fail(RuntimeError(reason))
-        with self._lock:
-            pending, self._pending = self._pending, set()
-        for result in pending:
-            result.set_exception(self._failed)
 
     def release(self) -> list[dist.ProcessGroup]:
-        """Hand over this rank's subgroups, for `leave_group` to let go of; every pending and later
-        all-reduce fails."""
+        """Hand over this rank's subgroups, for `leave_group` to let go of; every later all-reduce fails."""
         with self._lock:
             held, self._groups = list(self._groups.values()), {}
         self.abort(f"{PEER_ABORT_MARKER}: the generation's groups were left")
@@ -160,16 +152,6 @@ class HierarchicalAllReduce:
             done.set_exception(exc)
             return
         done.set_result(tensor)
-
-    def _finish(self, result: torch.futures.Future, done: torch.futures.Future) -> None:
-        with self._lock:
-            if result not in self._pending:
-                return  # aborted: already failed
-            self._pending.discard(result)
-        try:
-            result.set_result(done.value())
-        except Exception as exc:
-            result.set_exception(exc)
 
     def _fail(self, exc: BaseException) -> None:
         """Issue nothing more in this generation: this rank now misses a collective its peers may issue."""
