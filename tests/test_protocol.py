@@ -744,3 +744,11 @@ def test_each_offer_carries_a_connect_deadline_from_the_last_connect_that_double
     group.send(FormedReport(0, healing, ok=False, error="RuntimeError: Connect timeout"))
     assert group.latest_offer.formation.generation > healing
     assert group.latest_offer.connect_timeout_s == pytest.approx(0.32)
+
+
+def test_an_nccl_run_connects_within_the_ceiling_its_derived_deadline_untried_on_gpus():
+    protocol = Protocol(ScalingConfig(min_workers=1, max_workers=1, use_gpu=True), FailureConfig(), MAX_STEPS)
+    protocol.connect_s = 0.01  # a connect measured: a gloo run's next offer would get 0.1 s
+    protocol.start(0.0)
+    [offer] = [a for a in protocol.step(WorkerReady(0, "n", 1), 1.0) if isinstance(a, Offer)]
+    assert offer.connect_timeout_s == CONNECT_CEILING_S

@@ -451,6 +451,10 @@ class Protocol:
         return [self._offer(formation, restart), *self._enter(Forming(formation), decision.reason)]
 
     def _offer(self, formation: Formation, restart: bool = False) -> Offer:
+        # The derived deadline was measured on gloo only; NCCL's first collective also creates its
+        # communicator under the group's timeout, which has not run under a fraction of a second.
+        if self.scaling.backend != "gloo":
+            return Offer(formation, restart)
         deadline = policies.connect_deadline(self.connect_s, self.failed_formations, self.failure.connect_floor_s)
         return Offer(formation, restart, deadline)
 
