@@ -116,10 +116,12 @@ class _PeerWaits:
         call.ended.wait()
         with self._lock:
             self._waiting.discard(call)
-        if not call.finished:
-            raise RuntimeError(self._aborted)
-        if call.error is not None:
-            raise call.error
+            aborted = self._aborted
+        if call.finished and call.error is None:
+            return
+        if aborted is not None:
+            raise RuntimeError(aborted)  # the first reason: the abort's sever may fail the works too
+        raise call.error
 
     def abort(self, reason: str) -> None:
         with self._lock:
