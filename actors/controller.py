@@ -91,7 +91,7 @@ class Controller:
         self.placement_groups: dict[int, PlacementGroup] = {}  # by replica, in a run of replicas
         self.avoided: set[str] = set()
         self.metrics = RunMetrics(spec.run.name)
-        self.tally = RunTally(spec.data.global_batch_size, spec.data.max_steps)
+        self.tally = RunTally(spec.data.max_steps)
         self.latest_checkpoint: Checkpoint | None = None
         self.shards = ShardCollector(self.storage, spec.run.checkpoint_config.keep_last)
         # Manifests and retention deletes, one at a time and in order, on a thread of their own:
@@ -353,7 +353,7 @@ class Controller:
             ).remote(
                 worker_id, me, self.spec.data, self.spec.run.checkpoint_config, self.storage, self.spec.faults,
                 self.spec.scaling.use_gpu, num_cpus, self.spec.strategy, ReplicaShape.of(self.spec.scaling),
-                worker_id % size, straggler_check=straggler_check,
+                worker_id % size, self.spec.scaling.max_workers, straggler_check=straggler_check,
             )
         return created
 

@@ -66,6 +66,7 @@ class Worker:
         strategy: Strategy,
         shape: ReplicaShape,
         slot: int,
+        max_workers: int,
         straggler_check: bool = False,
     ) -> None:
         torch.set_num_threads(max(1, int(num_cpus)))
@@ -86,6 +87,7 @@ class Worker:
             latest_checkpoint=lambda: ray.get(controller.latest_checkpoint_of_run.remote()),
             # Waits (once per kind), so the controller has it before it sees the run's outcome.
             warn=lambda kind, message: ray.get(controller.warn.remote(worker_id, kind, message)),
+            max_workers=max_workers,
         )
         record_rank(lambda: self.ctx.rank)
         self.binds = ""  # set when the run starts (elastic.comm.binding)
@@ -103,6 +105,7 @@ class Worker:
             self.binds = bind_collectives_to(self.address)
             takes_config = len(inspect.signature(train_loop).parameters) > 0
             value = train_loop(config) if takes_config else train_loop()
+            self.ctx.end_loop()
             if not self.ctx.entered_steps:
                 return {"outcome": "app_error", "rank": self.ctx.rank, "traceback": "", "error": NO_STEPS}
             return {"outcome": "finished", "step": self.ctx.step, "value": _picklable(value),

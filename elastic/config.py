@@ -162,11 +162,21 @@ def replica_words(stages: int, tensor_parallel: int) -> str:
 
 
 class DataConfig(_Frozen):
-    """How samples become optimizer steps. The global batch is the same at every world size."""
+    """How samples become optimizer steps. The global batch is the same at every world size.
 
-    global_batch_size: int = Field(..., gt=0, description="Samples consumed by one optimizer step, across all ranks.")
-    micro_batch_size: int = Field(..., gt=0, description="Most samples a rank puts through one forward/backward pass.")
-    max_steps: int = Field(..., gt=0, description="Optimizer steps in the whole run.")
+    `ctx.steps(dataset)` needs `global_batch_size` and `max_steps`. A loop over a prepared data
+    loader (Ray Train's shape) needs neither: its global batch is the loader's batch size times the
+    world size the run asks for, and the run ends where the train loops return."""
+
+    global_batch_size: int | None = Field(
+        None, gt=0, description="Samples consumed by one optimizer step, across all ranks. None: a prepared data "
+        "loader's batch size times ScalingConfig's max_workers (num_workers, or a range's upper bound).")
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="Most samples a rank puts through one forward/backward pass. None: its whole share "
+        "of the step in one pass.")
+    max_steps: int | None = Field(
+        None, gt=0, description="Optimizer steps in the whole run. None: the run ends where the train loops return "
+        "(a loop over a prepared data loader only).")
     seed: int = Field(0, description="Seed of each epoch's sample permutation.")
     shuffle: bool = Field(True, description="Permute the samples of each epoch; False reads them in order.")
     shuffle_window: int = Field(
@@ -189,7 +199,7 @@ class DataConfig(_Frozen):
         if self.prefetch_threads and self.prefetch_processes:
             raise ValueError(f"prefetch_threads({self.prefetch_threads}) and prefetch_processes("
                              f"{self.prefetch_processes}) are both set; read ahead with one or the other")
-        if self.micro_batch_size > self.global_batch_size:
+        if None not in (self.micro_batch_size, self.global_batch_size) and self.micro_batch_size > self.global_batch_size:
             raise ValueError(
                 f"micro_batch_size({self.micro_batch_size}) > global_batch_size({self.global_batch_size}); "
                 "a micro-batch is a part of a rank's share of the global batch"
@@ -599,6 +609,11 @@ def check_replicas_fit(scaling: ScalingConfig, data: DataConfig, strategy: Strat
 
 def check_fits(scaling: ScalingConfig, data: DataConfig) -> None:
     """Cross-config checks that need both models; raises ValueError with the numbers."""
+    if data.global_batch_size is None:
+        if scaling.replica_size > 1:
+            raise ValueError(f"{replica_words(scaling.pipeline_stages, scaling.tensor_parallel)} train with "
+                             "ctx.steps(dataset), which needs DataConfig(global_batch_size=..., max_steps=...)")
+        return  # taken from the prepared data loader's batch size (`TrainContext.prepare_data_loader`)
     if scaling.replica_size > 1:
         most = scaling.replica_range[1]
         if data.global_batch_size < most:

@@ -103,10 +103,10 @@ def parse_fault(spec: str) -> Fault:
         raise ValueError(f"bad fault {spec!r}: {problems}") from None
 
 
-def check_faults(faults: list[Fault], max_steps: int, max_workers: int) -> None:
-    """Reject faults that could never fire in this run."""
+def check_faults(faults: list[Fault], max_steps: int | None, max_workers: int) -> None:
+    """Reject faults that could never fire in this run (one without max_steps ends where its loops return)."""
     for fault in faults:
-        if fault.step >= max_steps:
+        if max_steps is not None and fault.step >= max_steps:
             raise ValueError(
                 f"fault {fault.spec()!r} fires at step {fault.step} but the run has max_steps({max_steps}); "
                 f"use a step below {max_steps}"

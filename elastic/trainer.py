@@ -79,11 +79,9 @@ class ElasticTrainer:
         address: str | None = None,
         show_progress: bool = True,
     ) -> None:
-        if data_config is None:
-            raise ElasticError(
-                "ElasticTrainer needs data_config=DataConfig(global_batch_size=..., micro_batch_size=..., max_steps=...): "
-                "elastic counts the run in global steps of a fixed global batch, whatever the world size, and serves "
-                "each rank its share of every step from ctx.steps(dataset) (docs/habits.md ports a Ray Train loop)")
+        # Without one, a loop over a prepared data loader takes its global batch from the loader and
+        # ends where it returns, as in Ray Train; ctx.steps(dataset) says what it needs.
+        data_config = data_config or DataConfig()
         check_fits(scaling_config, data_config)
         self.faults = list(faults or [])
         check_faults(self.faults, data_config.max_steps, scaling_config.max_workers)

@@ -6,14 +6,15 @@ downloaded.
 
 The diff against Ray's script, all of it:
 - `import ray.train` / `from ray.train import ScalingConfig` / `from ray.train.torch import
-  TorchTrainer` become `import elastic` / `from elastic import DataConfig, ElasticTrainer,
-  RunConfig, ScalingConfig`; `ray.train.torch.prepare_*` and `ray.train.report` become
+  TorchTrainer` become `import elastic` / `from elastic import ElasticTrainer, RunConfig,
+  ScalingConfig`; `ray.train.torch.prepare_*` and `ray.train.report` become
   `elastic.prepare_*` and `elastic.report`, `ray.train.get_context()` `elastic.get_context()`;
 - `ray.train.torch.enable_reproducibility()` becomes `torch.manual_seed(0)`: elastic syncs every
   rank's random streams itself;
-- `TorchTrainer(...)` becomes `ElasticTrainer(...)`, with the `DataConfig` that fixes the global
-  batch and the steps (what Ray Train leaves to each worker's loader), and `ScalingConfig(
-  num_workers=(1, 2))` so that a worker's death heals in place;
+- `TorchTrainer(...)` becomes `ElasticTrainer(...)`, with `ScalingConfig(num_workers=(1, 2))` so
+  that a worker's death heals in place (and `spare_workers`, a warm spare that takes a dead
+  worker's place at once); the global batch is the loader's batch size times the 2 workers, as
+  in Ray Train, and stays so whatever the world size;
 - FashionMNIST (60,000 + 10,000 images) becomes TRAIN_SAMPLES + TEST_SAMPLES noisy 28x28
   images of ten random class prototypes, and the `tqdm` bars go.
 """
@@ -29,10 +30,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import elastic
-from elastic import DataConfig, ElasticTrainer, RunConfig, ScalingConfig
+from elastic import ElasticTrainer, RunConfig, ScalingConfig
 
 TRAIN_SAMPLES, TEST_SAMPLES = 1024, 256
-GLOBAL_BATCH_SIZE = 32  # Ray's example: 32, split over its workers
+GLOBAL_BATCH_SIZE = 32  # Ray's example: 32, split over its 2 workers
 
 
 def synthetic_fashion(samples: int, seed: int) -> TensorDataset:
@@ -125,16 +126,14 @@ def train_func_per_worker(config: Dict):
 
 
 def train_fashion_mnist(storage_path: str, name: str = "fashion-mnist", epochs: int = 2, sleep_s: float = 0.0,
-                        show_progress: bool = True) -> elastic.Result:
+                        spare_workers: int = 0, show_progress: bool = True) -> elastic.Result:
     train_config = {"lr": 1e-3, "epochs": epochs, "batch_size_per_worker": GLOBAL_BATCH_SIZE // 2,
                     "sleep_s": sleep_s}
     trainer = ElasticTrainer(
         train_func_per_worker,
         train_loop_config=train_config,
-        scaling_config=ScalingConfig(num_workers=(1, 2)),
+        scaling_config=ScalingConfig(num_workers=(1, 2), spare_workers=spare_workers),
         run_config=RunConfig(name=name, storage_path=storage_path),
-        data_config=DataConfig(global_batch_size=GLOBAL_BATCH_SIZE, micro_batch_size=GLOBAL_BATCH_SIZE,
-                               max_steps=epochs * TRAIN_SAMPLES // GLOBAL_BATCH_SIZE),
         show_progress=show_progress,
     )
     result = trainer.fit()
@@ -146,5 +145,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--storage-path", required=True, help="local path or URI that holds the run folder")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--spare-workers", type=int, default=0)
     args = parser.parse_args()
-    train_fashion_mnist(args.storage_path, epochs=args.epochs)
+    train_fashion_mnist(args.storage_path, epochs=args.epochs, spare_workers=args.spare_workers)

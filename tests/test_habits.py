@@ -26,7 +26,8 @@ from elastic.worker.context import TrainContext
 from elastic.worker.mailbox import GenerationMailbox
 from elastic.worker.step import Step
 from test_techniques import _assert_exactly_once, _fit, _max_diff
-from workloads import GLOBAL_BATCH, build_mlp, fit_started, hold_at_gate, regression_data, regression_reference
+from workloads import (GLOBAL_BATCH, build_mlp, fit_held, fit_started, hold_at_gate, regression_data,
+                       regression_reference, workers_started)
 
 # The train loops below are defined here; Ray workers cannot import the tests folder.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -335,10 +336,12 @@ def test_a_prepared_model_never_called_in_a_step_and_a_report_after_the_loop_are
     assert "done" not in result.metrics
 
 
-def test_an_elastic_trainer_without_a_data_config_says_what_it_needs():
-    with pytest.raises(ElasticError, match=r"ElasticTrainer needs data_config=DataConfig\(global_batch_size=..."):
-        ElasticTrainer(ray_train_shaped_loop, scaling_config=ScalingConfig(num_workers=2),
-                       run_config=RunConfig(name="x", storage_path="/tmp"))
+def test_a_steps_loop_without_a_global_batch_or_max_steps_is_refused_naming_the_data_config_it_needs():
+    for missing in (DataConfig(), DataConfig(global_batch_size=4), DataConfig(max_steps=2)):
+        ctx = TrainContext(missing, GenerationMailbox(), [], lambda record: None, use_gpu=False)
+        with pytest.raises(ElasticError, match=r"ctx.steps\(dataset\) needs DataConfig\(global_batch_size=..., "
+                           r"max_steps=...\).*elastic.prepare_data_loader\(loader\) needs neither"):
+            next(ctx.steps(regression_data()))
 
 
 # --- Ray Train's loop shape, by changing the imports only ---------------------------------------
@@ -362,7 +365,11 @@ def ray_train_loop(config: dict) -> dict:
             optimizer.step()
             batches += 1
             world_sizes.add(ctx.get_world_size())
+            hold_at_gate(config, ctx.step - 1)
         elastic.report({"loss": loss.item(), "epoch": epoch})
+    if config.get("record_to"):  # where each loop returned, the newcomer's included
+        with open(os.path.join(config["record_to"], f"{os.getpid()}.txt"), "w") as record:
+            record.write(f"{ctx.step} {batches}")
     return {"params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
             "batches": batches, "world_sizes": sorted(world_sizes)}
 
@@ -392,6 +399,34 @@ def test_a_ray_train_loop_heals_a_death_inside_its_backward_in_place_and_ends_eq
     for name, value in clean.value["params"].items():
         torch.testing.assert_close(healed.value["params"][name], value, rtol=1e-9, atol=1e-12)
     assert healed.metrics["epoch"] == 1
+
+
+def test_a_ray_train_loop_without_a_data_config_takes_the_loaders_batch_heals_and_a_newcomer_ends_with_it(
+        local_ray, tmp_path):
+    # Without a DataConfig the global batch is the loader's 32 times max_workers (2), and the run
+    # ends where the loops return: 2 epochs of 512 samples, 16 steps. Rank 1 dies in step 4's
+    # all-reduce; the survivor holds after step 10 (epoch 1) until Ray's replacement started, so
+    # the newcomer joins in epoch 1: its loop's first pass (epoch 0, trained before it came)
+    # serves nothing, and it returns with the survivor, at step 16.
+    gate = str(tmp_path / "replacement-started")
+    clean = ElasticTrainer(ray_train_loop, train_loop_config={"epochs": 2}, scaling_config=ScalingConfig(num_workers=2),
+                           run_config=RunConfig(name="loader-clean", storage_path=str(tmp_path)),
+                           data_config=DataConfig(global_batch_size=64, max_steps=16), show_progress=False).fit()
+    healed = fit_held(ElasticTrainer(
+        ray_train_loop, train_loop_config={"epochs": 2, "gate": (10, gate), "record_to": str(tmp_path)},
+        scaling_config=ScalingConfig(num_workers=(1, 2)), run_config=RunConfig(name="loader-healed", storage_path=str(tmp_path)),
+        faults=[elastic.Fault(kind="kill", rank=1, step=4, where="allreduce")], show_progress=False), workers_started(3))
+    assert clean.step == healed.step == 16
+    formed = [e["kind"] for e in healed.events_of("generation_formed")]
+    assert "heal" in formed and "grow" in formed and not healed.events_of("run_resumed"), formed
+    assert len(healed.events_of("worker_failed")) == 1 and not healed.events_of("warning")
+    returned = sorted(tuple(map(int, path.read_text().split())) for path in tmp_path.glob("*.txt"))
+    assert len(returned) == 2 and all(step == 16 for step, _ in returned), returned  # (step, batches) of each loop
+    assert returned[0][1] < 8, "the newcomer served epoch 0 again"
+    for name, value in clean.value["params"].items():
+        torch.testing.assert_close(healed.value["params"][name], value, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(healed.model_state_dict()["0.weight"], clean.value["params"]["0.weight"],
+                               rtol=1e-9, atol=1e-12)
 
 
 def test_a_steps_loop_whose_optimizer_was_never_prepared_heals_a_death_in_its_all_reduce_exactly(local_ray, tmp_path):

@@ -117,7 +117,7 @@ def test_a_heal_sends_no_burst_of_calls():
 
 
 def tracker_fed(items: list[dict]) -> RunTally:
-    tracker = RunTally(GLOBAL_BATCH, max_steps=10_000)
+    tracker = RunTally(max_steps=10_000)
     tracker.ingest(0, items)
     return tracker
 

@@ -13,7 +13,7 @@ def _links(generation, step, sent):
 
 
 def test_link_rates_are_the_bytes_per_busy_second_of_the_last_steps_of_the_current_generation():
-    tally = RunTally(global_batch_size=64, max_steps=100)
+    tally = RunTally(max_steps=100)
     tally.ingest(0, [_links(1, 0, {"198.18.0.3": (1 * MB, 0.1)})])
     tally.ingest(0, [_links(1, 10, {"198.18.0.3": (11 * MB, 1.1)})])
     tally.ingest(0, [_links(1, 20, {"198.18.0.3": (31 * MB, 1.6), "198.18.0.4": (MB, 0.5)})])
@@ -27,7 +27,7 @@ def test_link_rates_are_the_bytes_per_busy_second_of_the_last_steps_of_the_curre
 
 
 def test_a_new_generation_and_control_chatter_are_not_judged_and_a_verdict_forgets_the_samples():
-    tally = RunTally(global_batch_size=64, max_steps=100)
+    tally = RunTally(max_steps=100)
     tally.ingest(0, [_links(1, 0, {"198.18.0.3": (0, 0.0)})])
     tally.ingest(0, [_links(2, 30, {"198.18.0.3": (4 * MB, 0.0)})])
     assert tally.link_rates([0], steps=10) == {}, "steps of generation 1 judged generation 2"
@@ -45,7 +45,7 @@ def _step(step, step_s):
 
 
 def test_a_step_that_stood_still_counts_one_median_step_as_productive_whatever_ended_the_stall():
-    tally = RunTally(global_batch_size=64, max_steps=100)
+    tally = RunTally(max_steps=100)
     tally.ingest(0, [_step(step, 0.3) for step in range(10)])
     assert tally.productive_s == pytest.approx(3.0)
     tally.ingest(0, [_step(10, 107.0)])  # a collective that waited on a cut link until the link came back

@@ -108,8 +108,33 @@ def state_of(obj: Any) -> Any:
     return obj.detach() if isinstance(obj, torch.Tensor) else obj.state_dict()
 
 
+class AwaitedState:
+    """Stands in for an object registered later (an optimizer prepared at its first step): keeps
+    the state that a sync or a restored checkpoint brings for it meanwhile, which the object takes
+    when it comes (`take_awaited`). Empty, it gives no state, and a peer's object keeps its own."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+
+def take_awaited(objects: dict[str, Any], name: str, obj: Any) -> None:
+    """Register `obj` as `name`, loading the state an `AwaitedState` kept for it, if any came."""
+    awaited = objects.get(name)
+    objects[name] = obj
+    if isinstance(awaited, AwaitedState) and awaited.state:
+        load_into(obj, awaited.state)
+
+
 def load_into(obj: Any, state: Any) -> None:
     """Put `state` into a registered object, in place."""
+    if isinstance(state, dict) and not state and not isinstance(obj, AwaitedState):
+        return  # from a peer's AwaitedState that nothing filled yet: there is no state to give
     if isinstance(obj, torch.Tensor):
         with torch.no_grad():
             obj.copy_(state)

@@ -69,7 +69,7 @@ class WorkerRecord:
 class Protocol:
     scaling: ScalingConfig
     failure: FailureConfig
-    max_steps: int
+    max_steps: int | None  # None: the run ends where the train loops return
     switch_every: int = 1  # planned switches land on multiples of this step (local SGD's interval)
     generation: int = -1  # the newest generation offered (restored from the journal on a restart)
     failures: int = 0
@@ -211,7 +211,7 @@ class Protocol:
             return []
         earliest = max(answers.values()) + PREPARE_SLACK_STEPS
         switch = -(-earliest // self.switch_every) * self.switch_every
-        if switch >= self.max_steps:
+        if self.max_steps is not None and switch >= self.max_steps:
             # Too close to the end to be worth a switch; the newcomers stay idle.
             return [Abort(state.formation.generation, self.members),
                     *self._enter(Running(self.running), f"no grow: step {switch} is past max_steps")]
@@ -439,7 +439,8 @@ class Protocol:
             reason = Reason.START if self.running < 0 else Reason.RESTART
         else:
             reason = Reason.HEAL if self.broken else Reason.GROW
-        if reason == Reason.GROW and self.committed_step + PREPARE_SLACK_STEPS + 1 >= self.max_steps:
+        if (reason == Reason.GROW and self.max_steps is not None
+                and self.committed_step + PREPARE_SLACK_STEPS + 1 >= self.max_steps):
             return []
         self.generation += 1
         since = self.failure_at if reason in (Reason.HEAL, Reason.RESTART) and self.failure_at else now

@@ -30,9 +30,8 @@ LINK_MIN_BYTES = 256 * 1024
 
 
 class RunTally:
-    def __init__(self, global_batch_size: int, max_steps: int) -> None:
-        self.global_batch_size = global_batch_size
-        self.max_steps = max_steps
+    def __init__(self, max_steps: int | None) -> None:
+        self.max_steps = max_steps  # None: the run ends where the train loops return
         self.step = 0
         self.noted_step = 0
         # The newest step report's step: unlike `step`, it goes back when a restart replays

@@ -39,7 +39,7 @@ def _fields(status: dict[str, Any]) -> list[str]:
     loss = (status.get("metrics") or {}).get("loss")
     fields = [
         f"{status['state']:<13}",
-        f"step {status['step']}/{status['max_steps']}",
+        f"step {status['step']}" + (f"/{status['max_steps']}" if status["max_steps"] is not None else ""),
         f"world {status['world_size']}",
         f"{status['samples_per_s']:.0f} samples/s",
     ]
@@ -86,10 +86,13 @@ class ProgressDisplay:
 
     def _renderable(self, status: dict[str, Any]) -> Text:
         state = status["state"]
-        done = round(BAR_WIDTH * min(status["step"] / max(status["max_steps"], 1), 1.0))
+        # A run without max_steps ends where its train loops return: no bar can say how far it is.
+        bar: tuple[Any, ...] = ()
+        if status["max_steps"] is not None:
+            done = round(BAR_WIDTH * min(status["step"] / max(status["max_steps"], 1), 1.0))
+            bar = (("━" * done, "magenta"), ("━" * (BAR_WIDTH - done), "bright_black"), "  ")
         line = Text.assemble(
-            "[elastic] ", (f"{state:<13}", STATE_STYLES.get(state, "")), " ",
-            ("━" * done, "magenta"), ("━" * (BAR_WIDTH - done), "bright_black"), "  ",
+            "[elastic] ", (f"{state:<13}", STATE_STYLES.get(state, "")), " ", *bar,
             "  ".join(_fields(status)[1:]),
         )
         # One line whatever the terminal's width: the end is cut with an ellipsis, never wrapped.

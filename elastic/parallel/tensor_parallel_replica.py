@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from elastic.checkpoint.checkpoint import WHOLE, join_parts
 from elastic.comm.flat_state import reduce_in_place
-from elastic.comm.state_sync import SyncResult, state_of
+from elastic.comm.state_sync import SyncResult, state_of, take_awaited
 from elastic.errors import ElasticError
 from elastic.parallel.prepared import DTENSOR, ComputeFrames, Generation, WorkerPlace
 from elastic.parallel.replica_model import ReplicaModel
@@ -155,7 +155,7 @@ def share_random_state(group: dist.ProcessGroup, random: Any) -> None:
 def adopt(tensor: TensorParallelReplica, optimizer: torch.optim.Optimizer, objects: dict[str, Any]) -> None:
     """Carry `optimizer` to each generation's module, and sync its state as local slices."""
     tensor.tp.adopt(optimizer)
-    objects["optimizer"] = LocalSlices(optimizer)
+    take_awaited(objects, "optimizer", LocalSlices(optimizer))
 
 
 def plan_of(model: nn.Module, plan: Plan | None, size: int) -> Plan:

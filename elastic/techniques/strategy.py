@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from elastic.checkpoint.checkpoint import Checkpoint
-from elastic.comm.state_sync import average_over_holders, state_of
+from elastic.comm.state_sync import average_over_holders, state_of, take_awaited
 from elastic.config import Strategy
 from elastic.techniques.compression import GradientCompression
 from elastic.techniques.local_sgd import Backup, OuterSync
@@ -97,7 +97,7 @@ class Techniques:
         elif self.strategy.zero:
             optimizer = self.zero = ShardedOptimizer(optimizer, replicas=self.strategy.zero_replicas)
         else:
-            objects["optimizer"] = optimizer
+            take_awaited(objects, "optimizer", optimizer)
         if self.precision.scaler is not None:
             objects["grad_scaler"] = self.precision.scaler
             self.precision.wrap_step(optimizer)

@@ -29,6 +29,7 @@ import warnings
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from elastic.checkpoint.checkpoint import Checkpoint, CheckpointWriter
@@ -36,7 +37,7 @@ from elastic.comm.collectives import Collectives
 from elastic.comm.generation import peer_failed
 from elastic.comm.group import GenerationSpec
 from elastic.comm.links import GroupLinks
-from elastic.comm.state_sync import state_of
+from elastic.comm.state_sync import AwaitedState, state_of
 from elastic.config import CheckpointConfig, DataConfig, Strategy
 from elastic.data.loader import to_device
 from elastic.errors import ElasticError
@@ -121,8 +122,10 @@ class TrainContext(ReplicaCoordinates):
         shape: ReplicaShape = ReplicaShape(),
         slot: int = 0,
         warn: Callable[[str, str], None] = lambda kind, message: warnings.warn(message, stacklevel=3),
+        max_workers: int = 1,
     ) -> None:
         self.data_config = data_config
+        self._max_workers = max_workers  # ScalingConfig's: a prepared data loader's batch times it is the global batch
         self._warn_sink = warn  # (kind, message): the journal and the driver show it
         self._warned: set[str] = set()
         self.checkpoint_config = checkpoint_config
@@ -143,6 +146,11 @@ class TrainContext(ReplicaCoordinates):
         self._progress = Progress(seed=data_config.seed)
         self._inside_step = False  # between a step's __enter__ and __exit__
         self.entered_steps = False  # whether the train loop iterated steps()
+        self._steps_ended = False  # the run's last step committed here: final checkpoint and model taken
+        # steps() offered a step: this worker trains in the run's last generation, whose every member
+        # writes a shard of the final checkpoint (none did where a resumed run was already at its end).
+        self._offered_a_step = False
+        self._committed_here = False  # a step committed in this worker (one that joined as the run ended trained none)
         # Whether the data-parallel model prepare_model returned was called inside a step (None: no such model).
         self.model_called: bool | None = None
         self.loader_steps: LoaderSteps | None = None  # Ray Train's loop shape (`prepare_data_loader`)
@@ -236,15 +244,30 @@ class TrainContext(ReplicaCoordinates):
             raise ElasticError(f"Ray Train's loop shape (prepare_data_loader) runs plain DDP, with bf16 at most; "
                                f"this run uses {', '.join(kept)}: iterate ctx.steps(dataset) instead (docs/habits.md)")
         dataset = getattr(loader, "dataset", loader)
-        self.batching.whole_shares()
+        if self.data_config.global_batch_size is None:
+            self._take_global_batch_from(loader)
+        self.batching.whole_shares(self.data_config.global_batch_size)
         self.loader_steps = LoaderSteps(lambda: self.steps(dataset), dataset, getattr(loader, "batch_size", None),
-                                        lambda: self.stepping.optimizer is not None)
+                                        lambda: self.stepping.optimizer is not None, self._loops_go_on,
+                                        self._end_steps)
         self.membership.backward_failed = self._backward_failed
         if isinstance(self._prepared.returned, torch.nn.Module):
             self._weigh_outputs(self._prepared.returned)
         if self.stepping.optimizer is not None:
             self.stepping.optimizer.register_step_pre_hook(self._nothing_to_step_if_failed)
         return self.loader_steps
+
+    def _take_global_batch_from(self, loader: Any) -> None:
+        """Without DataConfig.global_batch_size, as in Ray Train: the loader's batch size times the
+        world size the run asks for. It stays fixed whatever the world size (each rank's share grows
+        when the world shrinks), and is the same on every worker, a newcomer's and a resumed run's."""
+        batch_size = getattr(loader, "batch_size", None)
+        if not isinstance(batch_size, int):
+            raise ElasticError(
+                f"the prepared data loader has no batch size ({type(loader).__name__}.batch_size = {batch_size!r}; a "
+                "batch_sampler sets none): give DataLoader(dataset, batch_size=N), or set "
+                "DataConfig(global_batch_size=...) on the trainer")
+        self.data_config = self.data_config.model_copy(update={"global_batch_size": batch_size * self._max_workers})
 
     def _prepare_when_stepped(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         """A global optimizer pre-hook, registered by `steps()` when no optimizer was prepared: the
@@ -259,11 +282,6 @@ class TrainContext(ReplicaCoordinates):
         params = {id(p) for p in model.parameters()} if isinstance(model, torch.nn.Module) else set()
         if not any(id(p) in params for group in optimizer.param_groups for p in group["params"]):
             return
-        if self.membership.checkpoint is not None:
-            self._warn("optimizer_not_restored",
-                       f"the optimizer was prepared at its first step, after rank {self.rank} restored checkpoint "
-                       f"{self.membership.checkpoint.path}: its state (momentum, Adam's moments) starts afresh. Pass "
-                       "it through elastic.prepare_optimizer(optimizer) before the loop to resume it.")
         if self.prepare_optimizer(optimizer) is not optimizer:
             raise ElasticError(f"this run's Strategy wraps the optimizer ({type(self.stepping.optimizer).__name__}): "
                                "pass it through ctx.prepare_optimizer(optimizer) before the loop and step the one "
@@ -397,22 +415,29 @@ class TrainContext(ReplicaCoordinates):
 
     def steps(self, dataset: Any) -> Iterator[Step]:
         """Yield each remaining global step of the run, healing and rescaling in between."""
+        max_steps = self.data_config.max_steps
+        if self.loader_steps is None and None in (self.data_config.global_batch_size, max_steps):
+            raise ElasticError(
+                f"ctx.steps(dataset) needs DataConfig(global_batch_size=..., max_steps=...) on the trainer (given: "
+                f"global_batch_size={self.data_config.global_batch_size}, max_steps={max_steps}): it serves each rank "
+                "its share of a fixed global batch and ends at max_steps. A loop over elastic.prepare_data_loader(loader) "
+                "needs neither, as in Ray Train (docs/habits.md)")
         loader = self.batching.open(dataset, self._objects)
         self.entered_steps = True
         self.probe.train_thread = threading.get_ident()
         if self.stepping.optimizer is None:
             register_optimizer_step_pre_hook(self._prepare_when_stepped)
+            # What the join syncs (or restores) for it waits until then: a newcomer's optimizer
+            # takes its peers' momentum, a resumed run's its checkpoint's.
+            self._objects["optimizer"] = AwaitedState()
         self._join(reason="start")
-        max_steps = self.data_config.max_steps
         # The steady path runs this loop's body once a step, right after the step's compute has
         # pushed it out of the caches: every call in it costs several times its warm cost.
         progress, mailbox, membership, snapshots = self._progress, self.mailbox, self.membership, self.snapshots
         techniques, faults, random_state, stepping = self.techniques, self.faults, self._random, self.stepping
         heal_in_check = lambda: self._join(reason="heal", lost=0)  # noqa: E731
         acts_between_steps = techniques.acts_between_steps  # settled by prepare_model, before the steps
-        # Whether a step committed in this worker: one that joined as the run ended trained nothing, rightly.
-        committed_here = False
-        while progress.step < max_steps:
+        while max_steps is None or progress.step < max_steps:
             if snapshots.read_flag(heal=heal_in_check):
                 snapshots.take()
             spec = membership.spec  # the generation this rank is in, formed by the join above
@@ -425,11 +450,14 @@ class TrainContext(ReplicaCoordinates):
             progress.cursor = loader.settle(progress.cursor)
             step = Step(self, spec, progress.step, progress.cursor, loader.step_samples(progress.cursor))
             stepping.current = step
+            self._offered_a_step = True
             yield step
             stepping.current = None
             if not step.entered:
+                if membership.spec is not spec:
+                    continue  # healed before it was entered (`LoaderSteps`' agreement): offered again
                 raise ElasticError("each step from ctx.steps() must be used as `with step:`")
-            committed_here = committed_here or step.committed
+            self._committed_here = self._committed_here or step.committed
             if step.failed is not None:
                 self._join(reason="heal", lost=0 if step.committed else 1)
                 continue
@@ -439,11 +467,36 @@ class TrainContext(ReplicaCoordinates):
                     continue
                 techniques.at_boundary(self._objects, progress)
             snapshots.after_step(max_steps)
+        self._end_steps()
+
+    def end_loop(self) -> None:
+        """The train loop returned. A loop over a prepared data loader ends the run's steps here:
+        the run has no max_steps, or the loop ran fewer epochs than max_steps holds."""
+        if self.loader_steps is None or not self.entered_steps or self._steps_ended:
+            return
+        self.loader_steps.close()  # ends the run's steps for every member where an epoch starts
+        if not self._steps_ended:
+            self._end_steps()
+
+    def _loops_go_on(self, going_on: bool) -> bool | None:
+        """Whether every member's loop over the prepared data loader goes on to the epoch that
+        starts (`LoaderSteps`); None if a peer died in the agreement, and this rank healed."""
+        flag = torch.tensor([int(going_on)], dtype=torch.int64, device=self.device)
+        with self.between_steps() as block:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return None if block.failed else bool(flag.item())
+
+    def _end_steps(self) -> None:
+        """After the run's last step: the final checkpoint and the whole model, the loader closed."""
+        self._steps_ended = True
+        self.stepping.current = None
         self.snapshots.drop_flag()
+        if self._offered_a_step:
+            self.snapshots.final()
         self._keep_final_model()
-        loader.close()
+        self.batching.loader.close()
         self.snapshots.wait_for_writer()
-        if self.model_called is False and committed_here:
+        if self.model_called is False and self._committed_here:
             self._warn("model_never_trained",
                        f"the model prepare_model() returned was never called inside a step on rank {self.rank}: "
                        "its parameters were not trained, and what was trained is not synced nor checkpointed. "

@@ -54,16 +54,26 @@ class EpochOrder:
 
 
 class LoaderSteps:
-    """What `ctx.prepare_data_loader(loader)` returns: iterating it yields one epoch of steps."""
+    """What `ctx.prepare_data_loader(loader)` returns: iterating it yields one epoch of steps.
+
+    At each epoch's start the members agree whether every loop goes on (`loops_go_on`, a one-flag
+    all-reduce an epoch): a loop that returns there ends the run's steps for every member (`end`).
+    That is how the run ends without max_steps, and how a newcomer's loop, which began its own
+    count of epochs where it joined, stops with the others: its passes left serve nothing.
+    """
 
     def __init__(self, steps: Callable[[], Iterator[Step]], dataset: Any, batch_size: int | None,
-                 optimizer_prepared: Callable[[], bool]) -> None:
+                 optimizer_prepared: Callable[[], bool], loops_go_on: Callable[[bool], bool | None],
+                 end: Callable[[], None]) -> None:
         self._open_steps = steps
         self._optimizer_prepared = optimizer_prepared
+        self._loops_go_on = loops_go_on  # None: a peer died in the agreement, and this rank healed
+        self._end = end
         self.dataset = dataset
         self.batch_size = batch_size  # the loader's, as Ray Train users read it
         self.sampler = EpochOrder()
         self._steps: Iterator[Step] | None = None
+        self._ended = False  # the run's steps are over: every pass left serves nothing
         self._held: Step | None = None  # entered and handed out: the loop is training it
         self._next: Step | None = None  # the first step of the next epoch, taken from `steps` already
         self.batch: MicroBatch | None = None  # the share handed out for the held step
@@ -72,12 +82,16 @@ class LoaderSteps:
         if self._steps is None:
             self._steps = self._open_steps()
         epoch = None
-        while True:
+        while not self._ended:
             self._end_held()
             step, self._next = self._next or next(self._steps, None), None
             if step is None:
+                self._ended = True
                 return  # the run reached max_steps
             if epoch is None:
+                step = self._agreed(step, going_on=True)
+                if step is None:
+                    return  # another member's loop returned at this epoch's start: the run ended
                 epoch = step.cursor.epoch
             elif step.cursor.epoch != epoch:
                 self._next = step  # the epoch is over; this step opens the next one
@@ -86,6 +100,33 @@ class LoaderSteps:
             self._held = step
             (self.batch,) = step.micro_batches()  # the share as one batch (`MicroBatching.whole_shares`)
             yield self.batch.data
+
+    def close(self) -> None:
+        """The train loop returned: end the step it held (it broke out of a pass), and at an epoch's
+        start tell the other members that this loop goes no further."""
+        self._end_held()
+        step, self._next = self._next, None
+        if step is not None and not self._ended:
+            self._agreed(step, going_on=False)
+        if self._steps is not None:
+            self._steps.close()
+
+    def _agreed(self, step: Step, going_on: bool) -> Step | None:
+        """`step`, offered but not entered, once the members agreed at its epoch's start that every
+        loop goes on (the step offered again if a peer died in the agreement and the rank healed);
+        None once one loop ended there, which ends the run's steps. A step inside an epoch (a
+        newcomer's first) needs no agreement: every member is inside the same pass."""
+        while step.cursor.consumed == 0:
+            agreed = self._loops_go_on(going_on)
+            if agreed is None:
+                step = next(self._steps)  # the step again, offered in the healed generation
+                continue
+            if not agreed:
+                self._ended = True
+                self._end()
+                return None
+            break
+        return step
 
     def _end_held(self) -> None:
         step, self._held, self.batch = self._held, None, None

@@ -38,7 +38,7 @@ from elastic.comm import generation as generations
 from elastic.comm.generation import GenerationGroup, peer_failed
 from elastic.comm.hierarchical import HierarchicalAllReduce, fits
 from elastic.comm.links import GroupLinks
-from elastic.comm.state_sync import SyncResult, load_into, sync_state
+from elastic.comm.state_sync import AwaitedState, SyncResult, load_into, sync_state
 from elastic.data.order import DataCursor
 from elastic.errors import StateLostError, WorkerEvictedError
 from elastic.faults import Fault
@@ -262,7 +262,9 @@ class Membership:
         """Load a durable checkpoint into this rank; the sync then spreads it to the others."""
         state = checkpoint.load_state(part)
         # Checkpoints written before the RNG states were synced resume with this rank's streams.
-        missing = sorted(set(self._objects) - set(state) - {"progress", "rng"})
+        # (An AwaitedState stands for an optimizer not prepared yet: a checkpoint without one leaves it fresh.)
+        missing = sorted(name for name in set(self._objects) - set(state) - {"progress", "rng"}
+                         if not isinstance(self._objects[name], AwaitedState))
         if missing:
             raise CheckpointError(
                 f"{checkpoint.path} holds no state for {missing} (it has {sorted(set(state) - {'progress'})}); "

@@ -67,6 +67,7 @@ class Snapshots:
         self._last_checkpoint = time.monotonic()
         self._flag: tuple[dist.Work, torch.Tensor] | None = None
         self._buffers = HostBuffers()  # reused by every snapshot of the same sizes
+        self._taken_step: int | None = None  # the step of the last snapshot taken
 
     def add_file(self, name: str, data: bytes) -> None:
         if not name or "/" in name or name.startswith("."):
@@ -80,16 +81,19 @@ class Snapshots:
         """Keep the directory `checkpoint` names for every checkpoint from now on (rank 0's)."""
         self._reported_files = reported.files_to_store(checkpoint, rank, self.config)
 
-    def after_step(self, max_steps: int) -> None:
+    def after_step(self, max_steps: int | None) -> None:
         """At the boundary after a committed step: checkpoint where the schedule says, or start the timed check."""
         step, every = self._progress.step, self.config.every_steps
-        if step == max_steps and self.config.enabled:
-            self.take()
-        elif every and step % every == 0:
+        if every and step % every == 0:
             self.take()
         timed = self.config.every_s is not None
-        if timed and step < max_steps and step % AGREEMENT_EVERY_STEPS == 0:
+        if timed and step != max_steps and step % AGREEMENT_EVERY_STEPS == 0:
             self._launch_flag()
+
+    def final(self) -> None:
+        """After the run's last step: checkpoint it, unless the schedule just did."""
+        if self.config.enabled and self._taken_step != self._progress.step:
+            self.take()
 
     def _launch_flag(self) -> None:
         """Start the all-reduce that makes every rank agree whether a timed checkpoint is due.
@@ -126,6 +130,7 @@ class Snapshots:
         kept = self._techniques.checkpoint_state(self._objects, self._progress.to_dict())
         if kept is None:
             return  # local SGD has not synced since the last checkpoint: nothing new to keep
+        self._taken_step = self._progress.step
         snapshot = take_snapshot(*kept, pool=self._buffers)
         membership = self._membership
         rank = membership.rank
