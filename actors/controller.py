@@ -30,8 +30,9 @@ from elastic.checkpoint.storage import RunStorage
 from elastic.comm.group import GenerationSpec, abort_generation, forget_generation
 from elastic.config import DataConfig, RunConfig, ScalingConfig, Strategy
 from elastic.controller import policies, signals
+from elastic.controller.detectors import StragglerCheck
 from elastic.controller.tally import RunTally
-from elastic.controller.protocol import Protocol, Status
+from elastic.controller.protocol import Protocol
 from elastic.controller.states import Failed, Formation
 from elastic.faults import Fault
 from elastic.journal.events import EventJournal, read_events
@@ -167,7 +168,7 @@ class Controller:
         if self._fenced(worker_id, "reports"):
             return
         self.tally.ingest(worker_id, items)
-        self.protocol.note_step(self.tally.reported_step)
+        self.inbox.put_nowait(signals.StepCommitted(self.tally.reported_step))
 
     async def warn(self, worker_id: int, kind: str, message: str) -> None:
         """A worker saw the train loop misuse the API (`TrainContext`): journaled once per kind; the driver warns."""
@@ -181,7 +182,8 @@ class Controller:
 
     async def fault_fired(self, worker_id: int, fault: str, step: int, note: str = "") -> None:
         self.tally.note_step(step)
-        self.protocol.note_step(self.tally.latest_step)  # committed, though its report may never come
+        # Committed, though its report may never come.
+        self.inbox.put_nowait(signals.StepCommitted(self.tally.latest_step))
         self.journal.emit("fault_injected", worker_id=worker_id, fault=fault, step=step, attempt=self.spec.attempt,
                           **({"note": note} if note else {}))
         if not fault.startswith("controller-kill:"):
@@ -211,13 +213,14 @@ class Controller:
         """Refuse what a worker the controller gave up on sends (`Protocol.fenced`): cut off by
         the network, it may run on for minutes in a generation that has moved on. Journaled
         once per worker and kind of report."""
-        if not self.protocol.fenced(worker_id):
+        given_up_for = self.protocol.fenced(worker_id)
+        if not given_up_for:
             return False
         if (worker_id, refused) not in self.refused:
             self.refused.add((worker_id, refused))
             self.journal.emit("fenced", worker_id=worker_id, refused=refused, **fields,
                               reason=f"the controller gave up on worker {worker_id} "
-                              f"({self.protocol.workers[worker_id].evicted_for}): nothing it sends counts")
+                              f"({given_up_for}): nothing it sends counts")
         return True
 
     # --- carrying out the protocol's actions -----------------------------------------------
@@ -272,7 +275,7 @@ class Controller:
     def _offer(self, offer: signals.Offer) -> None:
         formation, restart = offer.formation, offer.restart
         members = formation.members
-        nodes = {w: self.protocol.workers[w].node for w in members}
+        nodes = {w: self.protocol.node_of(w) for w in members}
         node_order = list(dict.fromkeys(nodes.values()))
         placement = tuple(node_order.index(nodes[w]) for w in members)  # each rank's node_rank
         for rank, worker_id in enumerate(members):
@@ -373,7 +376,7 @@ class Controller:
         for replica in list(self.placement_groups):
             size = self.spec.scaling.replica_size
             workers = range(replica * size, (replica + 1) * size)
-            if all(self.protocol.workers[w].status == Status.GONE for w in workers):
+            if all(self.protocol.gone(w) for w in workers):
                 remove_placement_group(self.placement_groups.pop(replica))
 
     async def _watch(self, worker_id: int, handle: Any) -> None:
@@ -390,22 +393,21 @@ class Controller:
 
     async def _tick(self) -> None:
         config = self.spec.run.failure_config
+        stragglers = (None if config.straggler_factor is None
+                      else StragglerCheck(config.straggler_factor, config.straggler_steps))
         while True:
             await asyncio.sleep(TICK_S)
+            if stragglers is not None:
+                members = self.protocol.members
+                straggling = stragglers.read({w: self.tally.compute.get(w, {}) for w in members},
+                                             self.tally.link_rates(members, config.straggler_steps))
+                if straggling is not None:
+                    self.tally.forget_stragglers()  # the next generation is judged on its own steps
+                    self.inbox.put_nowait(straggling)
             deadline = policies.hang_deadline(self.tally.step_times, config.hang_factor, config.hang_floor_s,
                                               config.hang_ceiling_s)
-            straggler = None
-            if config.straggler_factor is not None:
-                members = self.protocol.members
-                compute = {w: self.tally.compute.get(w, {}) for w in members}
-                straggler = (policies.find_straggler(compute, config.straggler_factor, config.straggler_steps)
-                             or policies.find_slow_link(self.tally.link_rates(members, config.straggler_steps),
-                                                        compute, config.straggler_factor))
-                if straggler:
-                    self.tally.forget_stragglers()
             reach = policies.reach_deadline(self.tally.step_times, config.reach_floor_s, config.reach_ceiling_s)
-            self.inbox.put_nowait(signals.Tick(self.tally.reported_step, self.tally.last_step_time, deadline,
-                                               reach, straggler))
+            self.inbox.put_nowait(signals.Tick(self.tally.last_step_time, deadline, reach))
             self.metrics.update(self.tally.step_times, len(self.protocol.members), self.tally.samples_per_s(),
                                 self.tally.step, self._goodput())
             sample = self.tally.sample()

@@ -23,7 +23,7 @@ at W workers (min_workers W/2, max_workers W) goes through:
 Every observation is built before its event is timed, so the figures are what the controller
 spends deciding: `time.process_time` around the protocol's steps (and the fake group's carrying
 out of the actions, a list append each). Between events the run commits a step
-(`Protocol.note_step`), as training would, so no event counts towards the crash-loop bound.
+(`FakeWorkerGroup.commit_step`), as training would, so no event counts towards the crash-loop bound.
 
 The figures merge into benchmarks/results/bench.json (unless --out) as
 `scale_simulated.<W>.<event>_cpu_s` and `scale_simulated.<W>.replay_s`, each the median over the
@@ -99,7 +99,7 @@ class Round:
 
     def commit_a_step(self) -> None:
         self.step += 1
-        self.group.protocol.note_step(self.step)
+        self.group.commit_step(self.step)
 
     def run(self) -> dict[str, float]:
         group, size = self.group, self.size

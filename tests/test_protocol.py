@@ -15,7 +15,7 @@ from elastic.controller.fake_group import MAX_STEPS, FakeWorkerGroup, death
 from elastic.controller.policies import CONNECT_CEILING_S
 from elastic.controller.protocol import MAX_FAILED_FORMATIONS, Protocol, Status
 from elastic.controller.signals import (
-    PREPARE_SLACK_STEPS, Abort, FormedReport, GroupBroken, Offer, Prepare, ProbesRead, ShardWritten, Tick,
+    PREPARE_SLACK_STEPS, Abort, FormedReport, GroupBroken, Offer, Prepare, ProbesRead, ShardWritten, Straggling, Tick,
     ProbeReading, WorkerReady, coalesce,
 )
 from elastic.controller.states import Reason
@@ -318,7 +318,7 @@ def test_a_committed_step_between_heals_resets_the_crash_loop_count():
     group = FakeWorkerGroup(min_workers=1, max_workers=3, max_heals_without_step=0)
     group.start_run(0, 1, 2)
     for step, worker_id in enumerate((2, 1), start=1):
-        group.protocol.note_step(step)
+        group.commit_step(step)
         group.die(worker_id)
         group.form()
     assert group.state == "RUNNING" and group.protocol.members == (0,)
@@ -368,7 +368,7 @@ def test_a_formation_that_lost_part_of_the_state_restarts_from_the_checkpoint_wi
     group.die(1)
     assert group.protocol.heals_without_step == before + 1
     group.form(step=8)
-    group.protocol.note_step(9)
+    group.commit_step(9)
     assert group.protocol.heals_without_step == 0
 
 
@@ -558,7 +558,7 @@ def test_during_a_formation_only_the_member_that_never_reached_the_barrier_is_hu
 def test_a_straggler_is_evicted_with_its_reason():
     group = FakeWorkerGroup()
     group.start_run(0, 1, 2)
-    group.send(Tick(straggler=(2, "its compute took 3x the others' median")))
+    group.send(Straggling(2, "its compute took 3x the others' median"))
     assert group.killed == [2]
     assert group.events("decision")[-1]["action"] == "EVICT"
     # Lost at once: the heal is offered before its kill lands, and a survivor's collective that

@@ -78,14 +78,14 @@ def touches_of_formations(size):
         group.deliver(formed(group))
     assert len(group.protocol.members) == size
 
-    group.protocol.note_step(1)
+    group.commit_step(1)
     with counted(touches, "heal"):
         group.send(WorkerExited(CountedId(1), Exit.DIED, "died"))
     with counted(touches, "heal"):
         group.deliver(formed(group, step=1))
     assert len(group.protocol.members) == size - 1
 
-    group.protocol.note_step(2)
+    group.commit_step(2)
     newcomer = group.started[-1]
     with counted(touches, "grow"):
         group.send(WorkerReady(CountedId(newcomer), node="node-new", pid=newcomer))

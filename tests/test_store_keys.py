@@ -109,7 +109,7 @@ def test_two_hundred_formations_leave_no_more_keys_in_the_store_than_the_newest_
         side.arrive(offer.generation, range(size))
         assert side.outcomes(offer.generation) == [True] * size
         side.carry(group.form(step=formation))
-        group.protocol.note_step(formation + 1)
+        group.commit_step(formation + 1)
         assert group.state == "RUNNING", group.state
         keys = side.store.num_keys()
         most = max(most, keys)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.controller.protocol import Protocol
 from elastic.controller.signals import (
-    Abort, Action, Emit, Exit, FormedReport, Kill, Observation, Offer, ReadProbes, Prepare, StartWorkers,
+    Abort, Action, Emit, Exit, FormedReport, Kill, Observation, Offer, ReadProbes, Prepare, StartWorkers, StepCommitted,
     SwitchPrepared, Tick, WorkerExited, WorkerReady, coalesce,
 )
 
@@ -88,6 +88,10 @@ class FakeWorkerGroup:
              after_s: float = 0.01) -> list[Action]:
         """Every (or the given) member of `generation` (the latest offered) reports it formed."""
         return self.deliver(self.formed_reports(generation, members, step), after_s)
+
+    def commit_step(self, step: int) -> list[Action]:
+        """The members committed `step`: its report arrives with no time passing, as training goes on."""
+        return self.send(StepCommitted(step), after_s=0.0)
 
     def answer_prepare(self, steps: dict[int, int], after_s: float = 0.01) -> list[Action]:
         generation = max(self.prepares)

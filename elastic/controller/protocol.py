@@ -5,6 +5,11 @@ controller actor carries out (`elastic.controller.signals`). Nothing here touche
 transition, abort included, is tested with a fake worker group (`elastic.controller.fake_group`,
 `tests/test_protocol.py`).
 
+The protocol keeps the membership: its workers, the running generation and the state it is in
+(`elastic.controller.states`). Whether the run stalled, and who is unreachable, cut off, hung or
+a straggler, the detectors find (`elastic.controller.detectors`); the protocol reacts to their
+findings, as to any other observation.
+
 Invariants (docs/architecture.md explains them):
 - Generation numbers only grow; a number offered once is never offered again.
 - A generation commits when every one of its members reported it formed. Membership, and
@@ -37,9 +42,11 @@ from dataclasses import dataclass, field
 
 from elastic.config import FailureConfig, ScalingConfig
 from elastic.controller import policies
+from elastic.controller.detectors import HangCheck, PartitionCheck, ReachCheck, StallWatch
 from elastic.controller.signals import (
-    PREPARE_SLACK_STEPS, Abort, Action, Emit, Exit, Forget, FormedReport, GroupBroken, Kill, Observation, Offer, ReadProbes,
-    Prepare, ProbesRead, ShardWritten, StartWorkers, SwitchPrepared, Tick, WorkerExited, WorkerReady,
+    PREPARE_SLACK_STEPS, Abort, Action, CutOff, Deadlocked, Emit, Exit, Forget, FormedReport, GroupBroken, Hung, Kill,
+    Observation, Offer, ReadProbes, Prepare, ProbesRead, ShardWritten, StartWorkers, StepCommitted, Straggling,
+    SwitchPrepared, Tick, Unreachable, WorkerExited, WorkerReady,
 )
 from elastic.controller.states import (
     TERMINAL, ControllerState, Failed, Finished, Finishing, Formation, Forming, Preparing, Reason, Running, Waiting,
@@ -81,7 +88,6 @@ class Protocol:
     broken: bool = False  # it lost a member and must heal
     committed_step: int = 0  # the newest committed step reported
     failure_at: float | None = None  # first sign of the failure being healed
-    progress_at: float = 0.0  # the last sign of progress other than a committed step
     node_failures: dict[str, list[float]] = field(default_factory=dict)
     outcomes: dict[int, WorkerExited] = field(default_factory=dict)
     failed_formations: int = 0
@@ -89,12 +95,8 @@ class Protocol:
     heals_without_step: int = 0
     committed_at_step: int = -1
     first_ready_at: float | None = None
-    polling: bool = False
-    judging_hang: bool = False  # the poll under way is past the hang deadline, not only a ping
-    pinged_at: float = 0.0  # when the members were last polled (a ping short of the hang deadline, or a hang check)
-    stalled_since: float = 0.0  # the last progress before the stall the latest poll is about
     detect_s: float = 0.0  # how long the failure being healed went unseen (an unreachable member's stall)
-    deadline_s: float = 0.0  # the hang deadline it was past
+    stall: StallWatch = field(init=False, default_factory=StallWatch)  # when to poll the members
     # The ids of the workers in each status, so that nothing needs to look at every worker to
     # find the idle ones or count the live ones.
     _by_status: dict[Status, set[int]] = field(init=False, repr=False, compare=False)
@@ -102,6 +104,10 @@ class Protocol:
     _unforgotten: dict[int, int] = field(init=False, repr=False, compare=False)
     # `members` and each one's rank, rebuilt when `members` is another tuple (`_rank`).
     _ranked: tuple[tuple[int, ...], dict[int, int]] = field(init=False, repr=False, compare=False)
+    # What a poll's answers say, each check by the failure config's threshold.
+    _reach: ReachCheck = field(init=False, repr=False, compare=False)
+    _partition: PartitionCheck = field(init=False, repr=False, compare=False)
+    _hang: HangCheck = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._by_status = {status: set() for status in Status}
@@ -109,10 +115,13 @@ class Protocol:
             self._by_status[record.status].add(worker_id)
         self._ranked = ((), {})
         self._unforgotten = {}
+        self._reach = ReachCheck(self.failure.ping_timeout_s)
+        self._partition = PartitionCheck(self.failure.link_silence_s)
+        self._hang = HangCheck(self.failure.hang_ceiling_s)
 
     # --- entry points ---------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
-        self.progress_at = now
+        self.stall.progressed(now)
         deadline = now + self.failure.capacity_timeout_s
         reason = "waiting for min_workers to be ready"
         return [*self._enter(Waiting(now, deadline, reason), reason), *self._top_up()]
@@ -123,11 +132,6 @@ class Protocol:
         return _HANDLERS[type(observation)](self, observation, now)
 
     @property
-    def stalled_s(self) -> float:
-        """How long the run had gone without progress when it was last polled."""
-        return self.pinged_at - self.stalled_since
-
-    @property
     def finished(self) -> bool:
         return isinstance(self.state, Finished)
 
@@ -135,6 +139,21 @@ class Protocol:
         """The outcome of the lowest rank that finished, as Ray Train returns rank 0's."""
         ranked = [w for w in self.members if w in self.outcomes] or sorted(self.outcomes)
         return self.outcomes[ranked[0]] if ranked else None
+
+    def fenced(self, worker_id: int) -> str:
+        """Why what `worker_id` sends must be refused ("" while it counts): the controller gave up
+        on it (unreachable, hung or evicted), so it may still run, cut off, on a generation that
+        moved on."""
+        record = self.workers.get(worker_id)
+        return record.evicted_for if record is not None else ""
+
+    def node_of(self, worker_id: int) -> str:
+        """The node a ready worker runs on ("" before it is ready)."""
+        return self.workers[worker_id].node
+
+    def gone(self, worker_id: int) -> bool:
+        """Whether the protocol lost `worker_id`: dead, finished, or given up on."""
+        return self.workers[worker_id].status == Status.GONE
 
     # --- observations ---------------------------------------------------------------------
     def _on_ready(self, obs: WorkerReady, now: float) -> list[Action]:
@@ -266,146 +285,112 @@ class Protocol:
             return []
         return self._commit(state.formation, acked, now)
 
-    def note_step(self, step: int) -> None:
-        """A step committed (from the workers' reports): the run is making progress."""
-        if step > self.committed_step:
-            self.committed_step = step
+    def _on_step_committed(self, obs: StepCommitted, now: float) -> list[Action]:
+        """Progress: a step past the last commit ends the count of heals without one (a crash loop's)."""
+        if obs.step > self.committed_step:
+            self.committed_step = obs.step
             self.heals_without_step = 0
+        return []
 
     def _on_tick(self, obs: Tick, now: float) -> list[Action]:
-        self.note_step(obs.step)
         state = self.state
-        if obs.straggler is not None and isinstance(state, Running):
-            return self._evict_straggler(*obs.straggler, now)
         if isinstance(state, Waiting):
             live = len(self.members) + len(self._by_status[Status.IDLE])
             # Enough ready workers only wait out the start's grace, however short the capacity timeout.
             if now > state.deadline and live < self.scaling.min_workers:
-                scaling = self.scaling
-                if scaling.replica_size > 1:
-                    short = (f"only {live} of the {scaling.min_workers} workers that min_replicas("
-                             f"{scaling.replica_range[0]}) replicas of {scaling.replica_size} need")
-                    knob = "min_replicas"
-                else:
-                    short, knob = f"only {live} of min_workers({scaling.min_workers}) workers", "min_workers"
-                message = (f"{short} could run for FailureConfig(capacity_timeout_s={self.failure.capacity_timeout_s}); "
-                           f"each worker needs {scaling.worker_resources()}. Add capacity or lower {knob}.")
-                return self._enter(Failed(message, "capacity"), "capacity timeout")
+                return self._capacity_timeout(live)
             return self._reconcile(now)
-        stalled = now - max(obs.last_step_at, self.progress_at)
-        if self.polling:
+        if self.stall.tick(now, obs.last_step_at, obs.deadline_s, obs.reach_deadline_s) is None:
             return []
-        # Past the short reach deadline the members are only pinged: one that answers is left
-        # alone until the hang deadline, one that does not is unreachable (`_on_polled`).
-        hang = stalled > obs.deadline_s
-        if not hang and now - max(obs.last_step_at, self.progress_at, self.pinged_at) <= obs.reach_deadline_s:
-            return []
-        self.polling, self.judging_hang, self.pinged_at = True, hang, now
-        self.deadline_s, self.stalled_since = obs.deadline_s, now - stalled
-        watched = state.formation.members if isinstance(state, Forming) else self.members
-        return [ReadProbes(tuple(w for w in watched if self.workers[w].status != Status.GONE))]
+        return [ReadProbes(tuple(w for w in self._watched() if self.workers[w].status != Status.GONE))]
+
+    def _capacity_timeout(self, live: int) -> list[Action]:
+        scaling = self.scaling
+        if scaling.replica_size > 1:
+            short = (f"only {live} of the {scaling.min_workers} workers that min_replicas("
+                     f"{scaling.replica_range[0]}) replicas of {scaling.replica_size} need")
+            knob = "min_replicas"
+        else:
+            short, knob = f"only {live} of min_workers({scaling.min_workers}) workers", "min_workers"
+        message = (f"{short} could run for FailureConfig(capacity_timeout_s={self.failure.capacity_timeout_s}); "
+                   f"each worker needs {scaling.worker_resources()}. Add capacity or lower {knob}.")
+        return self._enter(Failed(message, "capacity"), "capacity timeout")
+
+    def _watched(self) -> tuple[int, ...]:
+        """The members a poll asks, in rank order: a formation's while one is under way."""
+        state = self.state
+        return state.formation.members if isinstance(state, Forming) else self.members
 
     def _on_shard_written(self, obs: ShardWritten, now: float) -> list[Action]:
-        self.progress_at = now  # a slow upload holds the run up; it is not a hang
+        self.stall.progressed(now)  # a slow upload holds the run up; it is not a hang
         return []
 
     def _on_polled(self, obs: ProbesRead, now: float) -> list[Action]:
-        self.polling = False
-        actions = self._lose_unreachable(obs, now) or self._lose_cut_off(obs, now)
-        if not self.judging_hang or isinstance(self.state, TERMINAL):
-            return actions
-        self.progress_at = now
-        if any(p is not None and p.checkpointing for p in obs.answers.values()):
-            return actions  # an upload holds the run up: that is progress, not a hang
-        state = self.state
-        suspects = {w: p for w, p in obs.answers.items() if p is not None and not p.connecting}
-        if isinstance(state, Forming):
-            # Those at the barrier wait for the others; only the ones that never came can be hung.
-            suspects = {w: p for w, p in suspects.items()
-                        if w not in state.acked and p.arrived < state.formation.generation}
-        if actions or not suspects:
-            # The members waited on an unreachable peer (the heal releases them), or on peers of a
-            # generation they are connecting (its connect timeout does).
-            return actions
-        hung = policies.find_hung({w: (p.step, p.entered_sync, p.launched) for w, p in suspects.items()})
-        # In a formation, the members that never came are the culprits even when alike: a
-        # formation takes milliseconds once everyone is there. In a running generation, alike
-        # members that all answer may just be in a long evaluation.
-        forming = isinstance(state, Forming)
-        if not forming and set(hung) == set(suspects):
-            blocked = sorted({p.blocked_in for p in suspects.values()})
-            if all(blocked):
-                return self._collective_deadlock(blocked, now)
-            if self.stalled_s < self.failure.hang_ceiling_s:
-                # Everyone answers and nobody is behind (a long evaluation, a slow filesystem):
-                # nothing points at a culprit, so only the ceiling ends the wait.
-                return []
-        for worker_id in hung:
-            why = f"was behind its peers at {suspects[worker_id]}, past the hang deadline"
-            actions += self._give_up(worker_id, "hang", why, now, detect_s=self.stalled_s, deadline_s=self.deadline_s)
-        return actions
-
-    def _lose_unreachable(self, obs: ProbesRead, now: float) -> list[Action]:
-        """Members that answered no ping are unreachable (dead, or alive behind a link that is down):
-        each is lost now, like a death, so the heal releases the members waiting on it; it is
-        killed too, and nothing it sends later counts (`fenced`). Ray itself would call its node
-        dead only after about a minute of failed health checks.
-
-        A poll that no member answered blames nobody: a partition is told from the controller's
-        own starvation (a loaded machine, its own link down) by the members that still answer.
-        The next poll asks again, and a lone member behind a cut link waits for Ray's word."""
-        if all(answer is None for answer in obs.answers.values()):
+        """The answers to a poll, read by the detectors in turn: a member lost to the network
+        explains the others' stall (they wait on it), so nobody else is judged in that poll."""
+        poll = self.stall.answered(now)
+        if poll is None:
             return []
+        finding = (self._reach.read(poll, obs.answers, self._by_status[Status.GONE], now)
+                   or self._partition.read(poll, self._watched(), obs.answers, now))
+        if finding is None and poll.hang:
+            state = self.state
+            finding = self._hang.read(poll, obs.answers, state if isinstance(state, Forming) else None)
+        return [] if finding is None else self.step(finding, now)
+
+    def _on_unreachable(self, obs: Unreachable, now: float) -> list[Action]:
+        """Each unreachable member is lost now, like a death, so the heal releases the members
+        waiting on it; it is killed too, and nothing it sends later counts (`fenced`)."""
         actions: list[Action] = []
-        for worker_id, answer in obs.answers.items():
-            if answer is not None or self.workers[worker_id].status == Status.GONE or isinstance(self.state, TERMINAL):
+        for worker_id in obs.workers:
+            # A replica's mate lost with one before it is gone already.
+            if self.workers[worker_id].status == Status.GONE or isinstance(self.state, TERMINAL):
                 continue
-            self._stood_still(now)
-            why = f"answered no ping within FailureConfig(ping_timeout_s={self.failure.ping_timeout_s})"
-            actions += self._give_up(worker_id, "unreachable", why, now, detect_s=now - self.stalled_since)
+            self._stood_still(obs.stalled_since, obs.detect_s)
+            actions += self._give_up(worker_id, "unreachable", obs.cause, now, detect_s=obs.detect_s)
         return actions
 
-    def _lose_cut_off(self, obs: ProbesRead, now: float) -> list[Action]:
-        """Members that answer the controller but whose peers' links are cut (a partial partition):
-        every rank waits in a collective, nobody is dead or behind, so nothing else decides. The
-        kernel's word on each rank's connections (`ProbeReading.silent`) names the cut links, and
-        the smallest set of members that explains them (`policies.find_cut_off`) is lost now, like
-        an unreachable member; the members merely waiting on them are never blamed."""
-        state = self.state
-        if isinstance(state, TERMINAL) or any(answer is None for answer in obs.answers.values()):
-            return []
-        order = state.formation.members if isinstance(state, Forming) else self.members
-        answered = [w for w in order if w in obs.answers]
-        addresses = {w: obs.answers[w].address for w in answered}
-        silent = {w: obs.answers[w].silent for w in answered}
-        cut = policies.find_cut_off(addresses, silent, self.failure.link_silence_s)
-        if not cut or len(cut) == len(answered):
-            return []
-        self._stood_still(now)
-        cut_addresses = {addresses[w] for w in cut}
-        links = sorted({(addresses[w], peer) for w in answered for peer, seconds in silent[w].items()
-                        if seconds >= self.failure.link_silence_s
-                        and (addresses[w] in cut_addresses) != (peer in cut_addresses)})
-        shown = ", ".join(f"{source} -> {peer}" for source, peer in links)
-        actions = [self._decision("EVICT", f"workers {cut} are cut off from their peers ({shown}) while every member "
-                                  "answers the controller: a partial partition, healed around them")]
-        for worker_id in cut:
-            why = (f"its links to its peers carried no acknowledgement for FailureConfig(link_silence_s="
-                   f"{self.failure.link_silence_s}) or longer ({shown}): cut off by the network")
-            actions += self._give_up(worker_id, "cut_off", why, now, detect_s=now - self.stalled_since)
+    def _on_cut_off(self, obs: CutOff, now: float) -> list[Action]:
+        """The members cut off by a partial partition are lost now, like unreachable members."""
+        self._stood_still(obs.stalled_since, obs.detect_s)
+        actions = [self._decision("EVICT", obs.reason)]
+        for worker_id in obs.workers:
+            actions += self._give_up(worker_id, "cut_off", obs.cause, now, detect_s=obs.detect_s)
         return actions
 
-    def _stood_still(self, now: float) -> None:
-        """A member is lost for a stall the latest poll is about: the survivors stood still since the
-        last committed step, so the recovery counts from there, and the stall went unseen until now."""
-        self.failure_at = min(self.failure_at or now, self.stalled_since)
-        self.detect_s = max(self.detect_s, now - self.stalled_since)
+    def _on_hung(self, obs: Hung, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for worker_id, why in obs.causes.items():
+            actions += self._give_up(worker_id, "hang", why, now, detect_s=obs.detect_s, deadline_s=obs.deadline_s)
+        return actions
 
-    def fenced(self, worker_id: int) -> bool:
-        """Whether what `worker_id` sends must be refused: the controller gave up on it (it was
-        unreachable, hung or evicted), so it may still run, cut off, on a generation that moved on."""
-        record = self.workers.get(worker_id)
-        return record is not None and bool(record.evicted_for)
+    def _on_deadlocked(self, obs: Deadlocked, now: float) -> list[Action]:
+        """Every member waits in a collective the others never complete: a bug in the train loop
+        (a collective some ranks skip, or call with other shapes), counted as an application error."""
+        self.failures += 1
+        decision = policies.decide_failure("app_error", self.failures, self.failure.max_failures)
+        actions: list[Action] = [self._decision(decision.action, decision.reason)]
+        if decision.action == "RAISE":
+            return actions + self._enter(Failed(obs.cause, "app_error"), decision.reason)
+        for worker_id in self.members:
+            actions += self._evict(worker_id, "app_error", obs.cause)
+        return actions
+
+    def _on_straggling(self, obs: Straggling, now: float) -> list[Action]:
+        """Evicted only from a running generation: a formation under way already changes the membership."""
+        if not isinstance(self.state, Running):
+            return []
+        record = self.workers[obs.worker_id]
+        if record.status != Status.MEMBER or record.evicted_for:
+            return []
+        return [self._decision("EVICT", f"worker {obs.worker_id} is a straggler: {obs.reason}"),
+                *self._give_up(obs.worker_id, "straggler", obs.reason, now)]
+
+    def _stood_still(self, stalled_since: float, detect_s: float) -> None:
+        """A member is lost for a stall a poll found: the survivors stood still since the last
+        progress, so the recovery counts from there, and the stall went unseen for `detect_s`."""
+        self.failure_at = min(self.failure_at or stalled_since, stalled_since)
+        self.detect_s = max(self.detect_s, detect_s)
 
     # --- decisions --------------------------------------------------------------------------
     def _reconcile(self, now: float) -> list[Action]:
@@ -446,7 +431,7 @@ class Protocol:
         since = self.failure_at if reason in (Reason.HEAL, Reason.RESTART) and self.failure_at else now
         formation = Formation(self.generation, tuple(members), reason, decision.reason, since, decided_at=now)
         self._unforgotten[formation.generation] = len(members)
-        self.progress_at = now
+        self.stall.progressed(now)
         if reason == Reason.GROW:
             return [Prepare(formation.generation, self.members), *self._enter(Preparing(formation), decision.reason)]
         return [self._offer(formation, restart), *self._enter(Forming(formation), decision.reason)]
@@ -466,7 +451,8 @@ class Protocol:
         # newcomer's or a spare's wait at the barrier stops nobody.
         holders = [r for w, r in acked.items() if self.workers[w].holds_state] or list(acked.values())
         self.running, self.members, self.broken = formation.generation, formation.members, False
-        self.failed_formations, self.progress_at = 0, now
+        self.failed_formations = 0
+        self.stall.progressed(now)
         self.committed_at_step = self.committed_step
         for worker_id in formation.members:
             self._move(self.workers[worker_id], Status.MEMBER)
@@ -556,21 +542,6 @@ class Protocol:
         first = worker_id // size * size
         return range(first, first + size)
 
-    def _collective_deadlock(self, blocked: list[str], now: float) -> list[Action]:
-        """Every member waits in a collective the others never complete: a bug in the train
-        loop (a collective some ranks skip, or call with other shapes), not a fault."""
-        self.failures += 1
-        cause = (f"every rank has waited {self.stalled_s:.1f} s in a collective, past the hang deadline of "
-                 f"{self.deadline_s:.1f} s: {'; '.join(blocked)}. A collective that some ranks skip, or call with "
-                 "different shapes, never completes; call it on every rank with the same shapes")
-        decision = policies.decide_failure("app_error", self.failures, self.failure.max_failures)
-        actions: list[Action] = [self._decision(decision.action, decision.reason)]
-        if decision.action == "RAISE":
-            return actions + self._enter(Failed(cause, "app_error"), decision.reason)
-        for worker_id in self.members:
-            actions += self._evict(worker_id, "app_error", cause)
-        return actions
-
     def _formation_advice(self) -> str:
         """What to check when generations keep failing to form, from the run's own configuration."""
         gpu = self.scaling.worker_resources().get("GPU", 0)
@@ -626,12 +597,6 @@ class Protocol:
         the membership meanwhile, and a formation offered then (a survivor's broken collective
         asks for one) would wait on it."""
         return self._evict(worker_id, kind, why, **fields) + self._lose(worker_id, now)
-
-    def _evict_straggler(self, worker_id: int, reason: str, now: float) -> list[Action]:
-        if self.workers[worker_id].status != Status.MEMBER or self.workers[worker_id].evicted_for:
-            return []
-        return [self._decision("EVICT", f"worker {worker_id} is a straggler: {reason}"),
-                *self._give_up(worker_id, "straggler", reason, now)]
 
     def _maybe_finished(self, ended: int) -> list[Action]:
         """`ended` is gone while the run finishes: finished, once no member is left running."""
@@ -690,5 +655,9 @@ class Protocol:
 _HANDLERS = {
     WorkerReady: Protocol._on_ready, WorkerExited: Protocol._on_exited, GroupBroken: Protocol._on_broken,
     SwitchPrepared: Protocol._on_prepared, FormedReport: Protocol._on_formed, Tick: Protocol._on_tick,
-    ProbesRead: Protocol._on_polled, ShardWritten: Protocol._on_shard_written,
+    StepCommitted: Protocol._on_step_committed, ProbesRead: Protocol._on_polled,
+    ShardWritten: Protocol._on_shard_written,
+    # The detectors' findings.
+    Straggling: Protocol._on_straggling, Unreachable: Protocol._on_unreachable, CutOff: Protocol._on_cut_off,
+    Hung: Protocol._on_hung, Deadlocked: Protocol._on_deadlocked,
 }

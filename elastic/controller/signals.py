@@ -81,13 +81,19 @@ class Tick:
     """Time passes. `last_step_at`: when the newest committed step was reported;
     `deadline_s`: how long the run may go without one (from measured step times), the hang
     deadline; `reach_deadline_s`: how long before the members are pinged for one that is
-    unreachable; `straggler`: what `policies.find_straggler` found."""
+    unreachable. The protocol's `detectors.StallWatch` turns them into polls."""
 
-    step: int = 0
     last_step_at: float = 0.0
     deadline_s: float = float("inf")
     reach_deadline_s: float = float("inf")
-    straggler: tuple[int, str] | None = None  # a member to evict, with the reason
+
+
+@dataclass(frozen=True)
+class StepCommitted:
+    """The members committed `step` (their step reports, or a fault fired at it): the run makes
+    progress, which ends a crash loop's count."""
+
+    step: int
 
 
 @dataclass(frozen=True)
@@ -128,8 +134,59 @@ class ProbesRead:
     answers: dict[int, ProbeReading | None]
 
 
-Observation = (WorkerReady | WorkerExited | GroupBroken | SwitchPrepared | FormedReport | Tick | ProbesRead
-               | ShardWritten)
+# --- findings: what a detector (`elastic.controller.detectors`) makes of time and readings --------
+
+
+@dataclass(frozen=True)
+class Straggling:
+    """A member to evict as a straggler (`detectors.StragglerCheck`), with the reason."""
+
+    worker_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    """Members that answered no ping (`detectors.ReachCheck`). The run stood still from
+    `stalled_since` (its last progress), and `detect_s` went by before it was seen."""
+
+    workers: tuple[int, ...]
+    cause: str
+    stalled_since: float
+    detect_s: float
+
+
+@dataclass(frozen=True)
+class CutOff:
+    """Members that answer the controller but whose links to their peers are cut, a partial
+    partition (`detectors.PartitionCheck`): `reason` for the decision, `cause` for each member."""
+
+    workers: tuple[int, ...]
+    reason: str
+    cause: str
+    stalled_since: float
+    detect_s: float
+
+
+@dataclass(frozen=True)
+class Hung:
+    """Members behind their peers past the hang deadline (`detectors.HangCheck`), each with why."""
+
+    causes: dict[int, str]
+    detect_s: float
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class Deadlocked:
+    """Every member waits past the hang deadline in a collective the others never complete
+    (`detectors.HangCheck`): a bug in the train loop, not a fault."""
+
+    cause: str
+
+
+Observation = (WorkerReady | WorkerExited | GroupBroken | SwitchPrepared | FormedReport | Tick | StepCommitted
+               | ProbesRead | ShardWritten | Straggling | Unreachable | CutOff | Hung | Deadlocked)
 
 # --- actions ----------------------------------------------------------------------------
 

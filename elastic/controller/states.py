@@ -1,4 +1,4 @@
-"""The controller's states. One small frozen class per state, carrying the data of that state.
+"""The controller's states. One small class per state, carrying the data of that state.
 
     WAITING ──► FORMING ──► RUNNING ──► PREPARING ──► FORMING ──► RUNNING ...
        ▲           │  ▲        │  │                    │
@@ -6,9 +6,11 @@
 
 A `Formation` is one offer of a generation: its members, why, and where the old members switch.
 
-A state that collects one answer per member (the prepare's steps, the acknowledgements, the
-members still ending) holds them in a dict or set filled in place: a copy per answer would cost
-O(W) each, O(W^2) per formation.
+The states are frozen, except the three that collect one answer per member (`Preparing`'s
+steps, `Forming`'s acknowledgements, `Finishing`'s members still ending): those are plain
+dataclasses whose dict or set the protocol fills in place, since a new state per answer would
+copy O(W) each, O(W^2) per formation (`tests/test_protocol_cost.py`). Their other fields are
+never reassigned.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class Waiting:
     name: str = field(default="WAITING", init=False)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Preparing:
     """A grow: the running members were asked for their step; `answers` so far, by member."""
 
@@ -59,7 +61,7 @@ class Preparing:
     name: str = field(default="PREPARING", init=False)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Forming:
     """Generation `formation.generation` was offered; `acked` members formed it and synced (their reports)."""
 
@@ -74,7 +76,7 @@ class Running:
     name: str = field(default="RUNNING", init=False)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Finishing:
     """A member's train loop returned; the others are ending the same step. `ending`: the members
     not gone yet."""
