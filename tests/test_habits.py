@@ -401,6 +401,25 @@ def test_a_ray_train_loop_heals_a_death_inside_its_backward_in_place_and_ends_eq
     assert healed.metrics["epoch"] == 1
 
 
+def test_what_the_data_config_leaves_unset_the_prepared_loader_says():
+    def prepared(config, loader):
+        ctx = TrainContext(config, GenerationMailbox(), [], lambda record: None, use_gpu=False, max_workers=3)
+        ctx.prepare_data_loader(loader)
+        return ctx.data_config
+
+    data = regression_data()
+    taken = prepared(DataConfig(), torch.utils.data.DataLoader(data, batch_size=8, drop_last=True))
+    assert (taken.global_batch_size, taken.shuffle, taken.drop_last) == (24, False, True)
+    assert prepared(DataConfig(), torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)).shuffle
+    kept = prepared(DataConfig(global_batch_size=10, max_steps=5, shuffle=True, drop_last=False),
+                    torch.utils.data.DataLoader(data, batch_size=8, drop_last=True))
+    assert (kept.global_batch_size, kept.shuffle, kept.drop_last) == (10, True, False)
+    sampled = torch.utils.data.DataLoader(data, batch_sampler=torch.utils.data.BatchSampler(
+        torch.utils.data.SequentialSampler(data), batch_size=8, drop_last=False))
+    with pytest.raises(ElasticError, match=r"the prepared data loader has no batch size .*DataConfig\(global_batch_size"):
+        prepared(DataConfig(), sampled)
+
+
 def test_a_ray_train_loop_without_a_data_config_takes_the_loaders_batch_heals_and_a_newcomer_ends_with_it(
         local_ray, tmp_path):
     # Without a DataConfig the global batch is the loader's 32 times max_workers (2), and the run

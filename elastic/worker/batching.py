@@ -45,15 +45,14 @@ class MicroBatching:
         self._model = model
         self.loader: Loader | StreamLoader | None = None
 
-    def whole_shares(self, global_batch_size: int) -> None:
-        """Serve each step's share of `global_batch_size` as one micro-batch, whatever the world
-        size (Ray Train's loop shape, where each batch of the loop is a whole step)."""
-        self._data_config = self._data_config.model_copy(
-            update={"global_batch_size": global_batch_size, "micro_batch_size": global_batch_size})
+    def whole_shares(self, data_config: DataConfig) -> None:
+        """Serve each step's share of `data_config`'s global batch as one micro-batch, whatever the
+        world size (Ray Train's loop shape, where each batch of the loop is a whole step)."""
+        self._data_config = data_config.model_copy(update={"micro_batch_size": data_config.global_batch_size})
 
     def open(self, dataset: Any, objects: dict[str, Any]) -> Loader | StreamLoader:
         if self._data_config.micro_batch_size is None:  # DataConfig's default: the whole share in one pass
-            self.whole_shares(self._data_config.global_batch_size)
+            self.whole_shares(self._data_config)
         self.loader = open_loader(dataset, self._data_config, pin_memory=self._device.type == "cuda")
         if self._model().needs_full_steps and isinstance(self.loader, Loader):
             self._check_full_steps(self.loader.num_samples)

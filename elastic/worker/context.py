@@ -244,9 +244,8 @@ class TrainContext(ReplicaCoordinates):
             raise ElasticError(f"Ray Train's loop shape (prepare_data_loader) runs plain DDP, with bf16 at most; "
                                f"this run uses {', '.join(kept)}: iterate ctx.steps(dataset) instead (docs/habits.md)")
         dataset = getattr(loader, "dataset", loader)
-        if self.data_config.global_batch_size is None:
-            self._take_global_batch_from(loader)
-        self.batching.whole_shares(self.data_config.global_batch_size)
+        self._take_data_config_from(loader)
+        self.batching.whole_shares(self.data_config)
         self.loader_steps = LoaderSteps(lambda: self.steps(dataset), dataset, getattr(loader, "batch_size", None),
                                         lambda: self.stepping.optimizer is not None, self._loops_go_on,
                                         self._end_steps)
@@ -257,17 +256,26 @@ class TrainContext(ReplicaCoordinates):
             self.stepping.optimizer.register_step_pre_hook(self._nothing_to_step_if_failed)
         return self.loader_steps
 
-    def _take_global_batch_from(self, loader: Any) -> None:
-        """Without DataConfig.global_batch_size, as in Ray Train: the loader's batch size times the
-        world size the run asks for. It stays fixed whatever the world size (each rank's share grows
-        when the world shrinks), and is the same on every worker, a newcomer's and a resumed run's."""
-        batch_size = getattr(loader, "batch_size", None)
-        if not isinstance(batch_size, int):
-            raise ElasticError(
-                f"the prepared data loader has no batch size ({type(loader).__name__}.batch_size = {batch_size!r}; a "
-                "batch_sampler sets none): give DataLoader(dataset, batch_size=N), or set "
-                "DataConfig(global_batch_size=...) on the trainer")
-        self.data_config = self.data_config.model_copy(update={"global_batch_size": batch_size * self._max_workers})
+    def _take_data_config_from(self, loader: Any) -> None:
+        """What the DataConfig leaves unset, the loader says, as in Ray Train: the global batch is
+        its batch size times the world size the run asks for (fixed whatever the world size: each
+        rank's share grows when the world shrinks, and a newcomer's and a resumed run's are the
+        same), and its sampler and drop_last say whether epochs are shuffled and a short last
+        batch dropped."""
+        config, taken = self.data_config, {}
+        if config.global_batch_size is None:
+            batch_size = getattr(loader, "batch_size", None)
+            if not isinstance(batch_size, int):
+                raise ElasticError(
+                    f"the prepared data loader has no batch size ({type(loader).__name__}.batch_size = {batch_size!r}; "
+                    "a batch_sampler sets none): give DataLoader(dataset, batch_size=N), or set "
+                    "DataConfig(global_batch_size=...) on the trainer")
+            taken["global_batch_size"] = batch_size * self._max_workers
+        if "shuffle" not in config.model_fields_set and hasattr(loader, "sampler"):
+            taken["shuffle"] = isinstance(loader.sampler, torch.utils.data.RandomSampler)
+        if "drop_last" not in config.model_fields_set and hasattr(loader, "drop_last"):
+            taken["drop_last"] = bool(loader.drop_last)
+        self.data_config = config.model_copy(update=taken)
 
     def _prepare_when_stepped(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         """A global optimizer pre-hook, registered by `steps()` when no optimizer was prepared: the
