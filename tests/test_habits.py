@@ -445,6 +445,38 @@ def test_a_ray_train_loop_without_a_data_config_takes_the_loaders_batch_heals_an
         torch.testing.assert_close(healed.model_state_dict()[name], value, rtol=1e-9, atol=1e-12)
 
 
+def batch_norm_loop(config: dict) -> int:
+    """Ray Train's loop shape over a model with buffers: DDP's forward broadcasts them (BatchNorm's
+    running statistics) from rank 0, a collective inside the user's forward."""
+    torch.manual_seed(0)
+    model = elastic.prepare_model(torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).double())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = elastic.prepare_data_loader(torch.utils.data.DataLoader(regression_data(), batch_size=32, shuffle=True))
+    for epoch in range(2):
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return elastic.get_context().step
+
+
+def test_a_peers_death_failing_ddps_buffer_broadcast_in_the_forward_of_a_ray_train_loop_heals_in_place(
+        local_ray, tmp_path):
+    # Rank 1 dies as step 4 starts; rank 0's forward then fails broadcasting its buffers. Before,
+    # that ended the run as the loop's own error (a collective outside `with step`).
+    result = ElasticTrainer(batch_norm_loop, scaling_config=ScalingConfig(num_workers=(1, 2)),
+                            run_config=RunConfig(name="batch-norm", storage_path=str(tmp_path)),
+                            faults=[elastic.Fault(kind="kill", rank=1, step=4)], show_progress=False).fit()
+    assert result.step == result.value == 16
+    [died] = result.events_of("worker_failed")
+    assert died["kind"] == "death" and died["rank"] == 1
+    formed = [e["kind"] for e in result.events_of("generation_formed")]
+    assert "heal" in formed and not result.events_of("run_resumed"), formed
+    assert all(e["steps_lost"] <= 1 for e in result.events_of("recovery")) and not result.events_of("warning")
+
+
 def test_a_steps_loop_whose_optimizer_was_never_prepared_heals_a_death_in_its_all_reduce_exactly(local_ray, tmp_path):
     # The first optimizer stepped inside a step is prepared then: its momentum is synced and the
     # failed step's gradients are dropped. Left unprepared, the redone step added its gradients to

@@ -46,6 +46,7 @@ from elastic.parallel.prepared import WorkerPlace
 from elastic.parallel.replicas import ReplicaCoordinates, ReplicaShape
 from elastic.techniques.strategy import Techniques
 from elastic.worker.batching import MicroBatching
+from elastic.worker.data_parallel import ElasticDDP
 from elastic.worker.injection import FaultInjector
 from elastic.worker.loader_steps import EvaluationShards, LoaderSteps
 from elastic.worker.mailbox import GenerationMailbox
@@ -224,7 +225,7 @@ class TrainContext(ReplicaCoordinates):
 
             hook = returned.register_forward_pre_hook(called_in_a_step)
         if self.loader_steps is not None and isinstance(returned, torch.nn.Module):
-            self._weigh_outputs(returned)
+            self._fit_to_loader_steps(returned)
         return returned
 
     def prepare_data_loader(self, loader: torch.utils.data.DataLoader) -> LoaderSteps | EvaluationShards:
@@ -251,7 +252,7 @@ class TrainContext(ReplicaCoordinates):
                                         self._end_steps)
         self.membership.backward_failed = self._backward_failed
         if isinstance(self._prepared.returned, torch.nn.Module):
-            self._weigh_outputs(self._prepared.returned)
+            self._fit_to_loader_steps(self._prepared.returned)
         if self.stepping.optimizer is not None:
             self.stepping.optimizer.register_step_pre_hook(self._nothing_to_step_if_failed)
         return self.loader_steps
@@ -295,8 +296,12 @@ class TrainContext(ReplicaCoordinates):
                                "pass it through ctx.prepare_optimizer(optimizer) before the loop and step the one "
                                "it returns")
 
-    def _weigh_outputs(self, model: torch.nn.Module) -> None:
+    def _fit_to_loader_steps(self, model: torch.nn.Module) -> None:
+        """In Ray Train's loop shape the prepared model weighs its outputs (`LoaderSteps.weigh`),
+        and a peer's failure in its forward fails the step instead of the loop."""
         model.register_forward_hook(lambda module, args, output: self.loader_steps.weigh(output))
+        if isinstance(model, ElasticDDP):
+            model.forward_failed = self._backward_failed
 
     def _backward_failed(self, why: str) -> None:
         step = self.stepping.current

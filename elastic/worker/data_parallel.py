@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from elastic.comm.generation import peer_failed
 from elastic.parallel.prepared import DTENSOR, ComputeFrames, Generation, WorkerPlace, PreparedModel
 from elastic.techniques.strategy import Techniques
 from elastic.worker.phases import phase
@@ -46,6 +47,9 @@ class ElasticDDP(torch.nn.Module):
         self.module = module
         self._techniques = techniques
         self.ddp: DistributedDataParallel | None = None
+        # Ray Train's loop shape sets it: a peer's failure in DDP's forward is kept on the step
+        # (`TrainContext._backward_failed`), as one in the backward's all-reduce is.
+        self.forward_failed: Callable[[str], None] | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         # DDP holds `module`: registered as a submodule, it would appear twice in state_dict().
@@ -56,7 +60,18 @@ class ElasticDDP(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         with phase("elastic.forward"):
-            return self._techniques.precision.forward(self.module if self.ddp is None else self.ddp, *args, **kwargs)
+            if self.ddp is None:
+                return self._techniques.precision.forward(self.module, *args, **kwargs)
+            try:
+                return self._techniques.precision.forward(self.ddp, *args, **kwargs)
+            except Exception as exc:
+                if self.forward_failed is None or not peer_failed(exc):
+                    raise
+                # DDP's forward broadcasts the module's buffers (BatchNorm's running statistics)
+                # from rank 0, and a dead peer fails that broadcast. The loop goes on with this
+                # rank's own buffers; the step is failed, does not commit, and the next batch heals.
+                self.forward_failed(f"{type(exc).__name__}: {exc}")
+                return self._techniques.precision.forward(self.module, *args, **kwargs)
 
     def __getattr__(self, name: str):
         try:
