@@ -402,14 +402,16 @@ def test_a_ray_train_loop_heals_a_death_inside_its_backward_in_place_and_ends_eq
 
 
 def test_what_the_data_config_leaves_unset_the_prepared_loader_says():
-    def prepared(config, loader):
+    def prepared(config, loader, steps_per_epoch=None):
         ctx = TrainContext(config, GenerationMailbox(), [], lambda record: None, use_gpu=False, max_workers=3)
-        ctx.prepare_data_loader(loader)
+        steps = ctx.prepare_data_loader(loader)
+        assert steps_per_epoch is None or len(steps) == steps_per_epoch  # as the loader's length at world size 1
         return ctx.data_config
 
-    data = regression_data()
-    taken = prepared(DataConfig(), torch.utils.data.DataLoader(data, batch_size=8, drop_last=True))
+    data = regression_data()  # 512 samples: 21 steps of 24 and 8 left
+    taken = prepared(DataConfig(), torch.utils.data.DataLoader(data, batch_size=8, drop_last=True), 21)
     assert (taken.global_batch_size, taken.shuffle, taken.drop_last) == (24, False, True)
+    prepared(DataConfig(), torch.utils.data.DataLoader(data, batch_size=8), 22)
     assert prepared(DataConfig(), torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)).shuffle
     kept = prepared(DataConfig(global_batch_size=10, max_steps=5, shuffle=True, drop_last=False),
                     torch.utils.data.DataLoader(data, batch_size=8, drop_last=True))

@@ -248,8 +248,8 @@ class TrainContext(ReplicaCoordinates):
         self._take_data_config_from(loader)
         self.batching.whole_shares(self.data_config)
         self.loader_steps = LoaderSteps(lambda: self.steps(dataset), dataset, getattr(loader, "batch_size", None),
-                                        lambda: self.stepping.optimizer is not None, self._loops_go_on,
-                                        self._end_steps)
+                                        self.data_config, lambda: self.stepping.optimizer is not None,
+                                        self._loops_go_on, self._end_steps)
         self.membership.backward_failed = self._backward_failed
         if isinstance(self._prepared.returned, torch.nn.Module):
             self._fit_to_loader_steps(self._prepared.returned)

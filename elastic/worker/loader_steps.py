@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from elastic.config import DataConfig
 from elastic.errors import ElasticError
 from elastic.worker.step import MicroBatch, Step
 
@@ -63,9 +64,10 @@ class LoaderSteps:
     """
 
     def __init__(self, steps: Callable[[], Iterator[Step]], dataset: Any, batch_size: int | None,
-                 optimizer_prepared: Callable[[], bool], loops_go_on: Callable[[bool], bool | None],
-                 end: Callable[[], None]) -> None:
+                 data_config: DataConfig, optimizer_prepared: Callable[[], bool],
+                 loops_go_on: Callable[[bool], bool | None], end: Callable[[], None]) -> None:
         self._open_steps = steps
+        self.global_batch_size, self.drop_last = data_config.global_batch_size, data_config.drop_last
         self._optimizer_prepared = optimizer_prepared
         self._loops_go_on = loops_go_on  # None: a peer died in the agreement, and this rank healed
         self._end = end
@@ -77,6 +79,12 @@ class LoaderSteps:
         self._held: Step | None = None  # entered and handed out: the loop is training it
         self._next: Step | None = None  # the first step of the next epoch, taken from `steps` already
         self.batch: MicroBatch | None = None  # the share handed out for the held step
+
+    def __len__(self) -> int:
+        """Steps in an epoch, whatever the world size (a Ray Train loader's length is its
+        worker's batches, which change with it): for a schedule's total steps, say."""
+        samples, batch = len(self.dataset), self.global_batch_size
+        return samples // batch if self.drop_last else -(-samples // batch)
 
     def __iter__(self) -> Iterator[Any]:
         if self._steps is None:
