@@ -370,8 +370,10 @@ def ray_train_loop(config: dict) -> dict:
     if config.get("record_to"):  # where each loop returned, the newcomer's included
         with open(os.path.join(config["record_to"], f"{os.getpid()}.txt"), "w") as record:
             record.write(f"{ctx.step} {batches}")
+    where = (ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(), ctx.get_local_world_size(),
+             ctx.get_node_rank())
     return {"params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
-            "batches": batches, "world_sizes": sorted(world_sizes)}
+            "batches": batches, "world_sizes": sorted(world_sizes), "where": where}
 
 
 def _ray_train_shaped(tmp_path, name, faults=(), **config):
@@ -441,6 +443,7 @@ def test_a_ray_train_loop_without_a_data_config_takes_the_loaders_batch_heals_an
     returned = sorted(tuple(map(int, path.read_text().split())) for path in tmp_path.glob("*.txt"))
     assert len(returned) == 2 and all(step == 16 for step, _ in returned), returned  # (step, batches) of each loop
     assert returned[0][1] < 8, "the newcomer served epoch 0 again"
+    assert healed.value["where"] == (0, 2, 0, 2, 0)  # Ray Train's rank, sizes and node rank, on one node
     reference = regression_reference(16, seed=0, global_batch=64)  # DataConfig's seed; one process, whole batches
     for name, value in reference["params"].items():
         torch.testing.assert_close(healed.value["params"][name], value, rtol=1e-9, atol=1e-12)

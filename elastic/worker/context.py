@@ -198,6 +198,12 @@ class TrainContext(ReplicaCoordinates):
     def get_local_rank(self) -> int:
         return self.local_rank
 
+    def get_local_world_size(self) -> int:
+        return self.membership.spec.local_world_size if self.membership.spec else -1
+
+    def get_node_rank(self) -> int:
+        return self.membership.spec.node_rank if self.membership.spec else -1
+
     def prepare_model(self, model: torch.nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                       | None = None, **options: Any) -> Any:
         """Register `model` for healing and wrap it in DDP; call before `steps()`.
