@@ -376,15 +376,28 @@ def ray_train_loop(config: dict) -> dict:
             "batches": batches, "world_sizes": sorted(world_sizes), "where": where}
 
 
-def _ray_train_shaped(tmp_path, name, faults=(), **config):
+def _ray_train_shaped(tmp_path, name, faults=(), max_steps=18, checkpoint_config=CheckpointConfig(), **config):
     # 63 samples a step: shares of 32 and 31 at 2 workers, so the shares' weights matter.
     return ElasticTrainer(
         ray_train_loop, train_loop_config={"epochs": 2, **config},
         scaling_config=ScalingConfig(min_workers=1, max_workers=2),
-        run_config=RunConfig(name=name, storage_path=str(tmp_path)),
-        data_config=DataConfig(global_batch_size=63, micro_batch_size=63, max_steps=18, seed=3),
+        run_config=RunConfig(name=name, storage_path=str(tmp_path), checkpoint_config=checkpoint_config),
+        data_config=DataConfig(global_batch_size=63, micro_batch_size=63, max_steps=max_steps, seed=3),
         faults=list(faults), show_progress=False,
     )
+
+
+def test_a_ray_train_loop_resumed_mid_epoch_takes_its_unprepared_optimizers_momentum_from_the_checkpoint(
+        local_ray, tmp_path):
+    # The optimizer is prepared at its first step, after the resume restored the checkpoint: the
+    # momentum it held waits for it (`AwaitedState`). Started afresh, the run would end elsewhere.
+    first = _ray_train_shaped(tmp_path, "resumed", max_steps=7, checkpoint_config=CheckpointConfig(every_steps=7),
+                              plain_optimizer=True).fit()
+    resumed = _ray_train_shaped(tmp_path, "resumed", plain_optimizer=True).fit()
+    assert first.step == 7 and resumed.step == 18 and resumed.events_of("run_resumed")
+    assert not resumed.events_of("warning")
+    for name, value in regression_reference(18, seed=3, global_batch=63)["params"].items():
+        torch.testing.assert_close(resumed.value["params"][name], value, rtol=1e-9, atol=1e-12)
 
 
 def test_a_ray_train_loop_heals_a_death_inside_its_backward_in_place_and_ends_equal_to_the_fault_free_run(
