@@ -23,7 +23,7 @@ import torch
 
 from elastic.checkpoint.checkpoint import CheckpointWriter
 from elastic.checkpoint.storage import RunStorage
-from elastic.comm.binding import bind_collectives_to
+from elastic.comm.binding import bind_collectives_to, separate_ranks_sharing_a_gpu
 from elastic.comm.generation import peer_failed
 from elastic.comm.group import GenerationSpec
 from elastic.config import CheckpointConfig, DataConfig, Strategy
@@ -103,6 +103,10 @@ class Worker:
         try:
             self.address = ray.util.get_node_ip_address()
             self.binds = bind_collectives_to(self.address)
+            shared = separate_ranks_sharing_a_gpu(self.worker_id,
+                                                  ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0))
+            if shared is not None:
+                ray.get(self._controller.warn.remote(self.worker_id, "shared_gpu", shared))
             takes_config = len(inspect.signature(train_loop).parameters) > 0
             value = train_loop(config) if takes_config else train_loop()
             self.ctx.end_loop()

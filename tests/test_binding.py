@@ -11,6 +11,7 @@ import socket
 import psutil
 import pytest
 
+from elastic.comm import binding
 from elastic.comm.binding import GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, bind_collectives_to, interface_of
 
 
@@ -59,3 +60,15 @@ def test_a_node_address_no_interface_holds_with_the_hostname_on_loopback_is_refu
                        r"the Ray node's address 198\.18\.255\.254\. Set GLOO_SOCKET_IFNAME"):
         bind_collectives_to("198.18.255.254")
     assert GLOO_SOCKET_IFNAME not in os.environ
+
+
+def test_workers_sharing_a_gpu_are_each_a_host_of_their_own_to_nccl_and_a_whole_gpu_or_the_users_choice_is_kept(
+        monkeypatch):
+    monkeypatch.delenv(binding.NCCL_HOSTID, raising=False)
+    assert binding.separate_ranks_sharing_a_gpu(3, 1.0) is None and binding.NCCL_HOSTID not in os.environ
+    assert binding.separate_ranks_sharing_a_gpu(3, 0.0) is None and binding.NCCL_HOSTID not in os.environ
+    said = binding.separate_ranks_sharing_a_gpu(3, 0.5)
+    assert os.environ[binding.NCCL_HOSTID] == f"{socket.gethostname()}-elastic-worker-3"
+    assert "GPU=0.5" in said and "network transport" in said
+    monkeypatch.setenv(binding.NCCL_HOSTID, "chosen")
+    assert binding.separate_ranks_sharing_a_gpu(4, 0.5) is None and os.environ[binding.NCCL_HOSTID] == "chosen"

@@ -53,3 +53,38 @@ def test_a_steady_step_on_a_gpu_makes_the_host_wait_for_the_device_nowhere(tmp_p
         show_progress=False,
     ).fit()
     assert result.value["device"].startswith("cuda") and result.step == WARMUP + WATCHED + 2
+
+
+def shared_gpu_loop(config: dict) -> dict:
+    ctx = elastic.get_context()
+    model = ctx.prepare_model(build_mlp())
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    for step in ctx.steps(regression_data()):
+        with step:
+            for mb in step.micro_batches():
+                mb.backward(torch.nn.functional.mse_loss(model(mb.data[0]), mb.data[1]))
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"params": {k: v.detach().cpu() for k, v in model.module.state_dict().items()}}
+
+
+def test_two_workers_sharing_one_gpu_train_over_nccl_and_heal_a_death_to_the_plain_math(tmp_path):
+    # Issue 38, part 1: GPU=0.5 puts both workers on the one GPU, which NCCL refuses unless each
+    # is a host of its own to it (NCCL_HOSTID, `elastic.comm.binding.separate_ranks_sharing_a_gpu`).
+    # Not yet run on a GPU: no device was lent when it was written.
+    from workloads import regression_reference
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    result = ElasticTrainer(
+        shared_gpu_loop,
+        scaling_config=ScalingConfig(num_workers=(1, 2), use_gpu=True, resources_per_worker={"GPU": 0.5}),
+        run_config=RunConfig(name="gpu-shared", storage_path=str(tmp_path)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=24, seed=3),
+        faults=[elastic.Fault(kind="kill", rank=1, step=10, where="allreduce")], show_progress=False,
+    ).fit()
+    assert result.step == 24
+    assert [e["kind"] for e in result.events_of("warning")] == ["shared_gpu"]
+    assert "heal" in [e["kind"] for e in result.events_of("generation_formed")]
+    for name, value in regression_reference(24, seed=3)["params"].items():
+        torch.testing.assert_close(result.value["params"][name], value, rtol=1e-9, atol=1e-12)

@@ -1,4 +1,5 @@
-"""Which network interface the collective groups bind: the one that carries the Ray node's address.
+"""Which network interface the collective groups bind: the one that carries the Ray node's address,
+and how NCCL takes ranks that share a GPU.
 
 gloo (and NCCL's bootstrap) pick their address from the hostname unless told an interface.
 Many images map the hostname to a loopback address in /etc/hosts (127.0.0.1 here, 127.0.1.1
@@ -17,6 +18,7 @@ import psutil
 
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
+NCCL_HOSTID = "NCCL_HOSTID"
 
 
 def interface_of(address: str) -> str | None:
@@ -55,3 +57,22 @@ def bind_collectives_to(node_address: str) -> str:
             f"{NCCL_SOCKET_IFNAME}) to the interface other nodes reach this one on, e.g. in runtime_env's env_vars, "
             "or map the hostname to that address in /etc/hosts")
     return f"the hostname's address ({resolved or 'unresolved'}); no interface holds {node_address}"
+
+
+def separate_ranks_sharing_a_gpu(worker_id: int, gpu_share: float) -> str | None:
+    """Let NCCL take a worker that holds a fraction of a GPU as a host of its own.
+
+    NCCL refuses two ranks of a communicator on one GPU of one host ("Duplicate GPU detected": the
+    same host hash and bus id), which is where Ray puts workers that ask for GPU=0.5, the way a
+    user with one GPU tries an elastic run before sending it to a cluster. NCCL hashes the host
+    from NCCL_HOSTID where it is set, so a distinct one per worker makes each rank a host of its
+    own, and the ranks talk over NCCL's network transport (sockets, on this node) instead of
+    shared memory or NVLink: a mode for tests and small runs. Returns what it set, for the
+    journal; None for a whole GPU, or where the user set NCCL_HOSTID.
+    """
+    if not 0 < gpu_share < 1 or os.environ.get(NCCL_HOSTID):
+        return None
+    os.environ[NCCL_HOSTID] = f"{socket.gethostname()}-elastic-worker-{worker_id}"
+    return (f"worker {worker_id} holds GPU={gpu_share:g} of a GPU that other ranks share: {NCCL_HOSTID}="
+            f"{os.environ[NCCL_HOSTID]} makes it a host of its own to NCCL, whose ranks then talk over its network "
+            "transport (sockets), not NVLink or shared memory: a mode for tests and small runs")

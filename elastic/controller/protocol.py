@@ -547,8 +547,9 @@ class Protocol:
         gpu = self.scaling.worker_resources().get("GPU", 0)
         if self.scaling.use_gpu and 0 < gpu < 1:
             return (f"Each worker asks for GPU={gpu:g}, so Ray puts {int(1 // gpu)} workers on one GPU, and NCCL refuses "
-                    "two ranks of a group on the same GPU: give each worker a whole GPU (resources_per_worker "
-                    "GPU=1), or try the run on CPUs (use_gpu=False, gloo).")
+                    "two ranks of a group on the same GPU unless each is a host of its own to it (elastic sets a "
+                    "distinct NCCL_HOSTID per worker: see the shared_gpu warning): give each worker a whole GPU "
+                    "(resources_per_worker GPU=1), or try the run on CPUs (use_gpu=False, gloo).")
         return "Check that workers can reach each other and the controller's TCPStore."
 
     def _break(self, now: float) -> list[Action]:
