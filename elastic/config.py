@@ -7,13 +7,16 @@ fixes the global batch, which elastic keeps constant at every world size.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import pyarrow.fs as pafs
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, PrivateAttr, field_validator, model_validator
 
 
 class _Frozen(BaseModel):
@@ -348,17 +351,6 @@ class RunConfig(_Frozen):
         return self
 
 
-_SYNC_OPTIONS = {
-    "ddp": {},
-    "local_sgd": {"every": int},
-    "diloco": {"every": int, "outer_lr": float, "outer_momentum": float},
-    "easgd": {"every": int, "alpha": float},
-    "stale": {"bound": int},
-}
-_SYNC_DEFAULTS = {"diloco": {"outer_lr": 0.7, "outer_momentum": 0.9}, "easgd": {"alpha": 0.1}}
-_COMPRESSION_OPTIONS = {"none": {}, "fp16": {}, "bf16": {}, "powersgd": {"rank": int, "start_iter": int}}
-
-
 class Strategy(_Frozen):
     """How gradients and state travel: the techniques of distributed training, each of which
     every heal and grow carries in place (docs/techniques.md)."""
@@ -416,6 +408,10 @@ class Strategy(_Frozen):
         "ScalingConfig(pipeline_stages > 1); more shrink the bubble, (stages-1)/(microbatches+stages-1)."
     )
 
+    # The parsed `sync` and `compression`, set once by the validator.
+    _sync: SyncSpec = PrivateAttr()
+    _compression: CompressionSpec = PrivateAttr()
+
     @field_validator("sync")
     @classmethod
     def _check_sync(cls, sync: str) -> str:
@@ -430,124 +426,284 @@ class Strategy(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> "Strategy":
-        kind = parse_sync(self.sync)["kind"]
-        if kind == "stale":
-            self._check_stale()
-        if kind != "ddp" and self.compression != "none":
-            raise ValueError(f"compression={self.compression!r} acts on DDP's per-step gradient all-reduce, which "
-                             f"sync={self.sync!r} does not do; use one or the other")
-        if self.zero and kind != "ddp":
-            raise ValueError(f"zero={self.zero} shards the state of an optimizer that steps on all-reduced gradients; "
-                             f"sync={self.sync!r} steps each rank alone: use one or the other")
-        if self.zero_replicas == 0 and not self.zero:
-            raise ValueError("zero_replicas=0 drops the buddy copies of ZeRO's shards, which exist only with "
-                             "zero=1, 2 or 3; set zero or leave zero_replicas at 1")
-        if self.zero >= 2 and self.precision == "fp16":
-            raise ValueError(f"zero={self.zero} with precision='fp16' is not built: each rank would find overflows in "
-                             "its own gradient shard only; use precision='bf16', or zero=1")
-        if self.zero >= 2 and self.compression != "none":
-            raise ValueError(f"compression={self.compression!r} acts on DDP's gradient all-reduce; zero={self.zero} "
-                             "reduce-scatters the gradients with FSDP2 instead: use one or the other")
-        if self.overlap_optimizer:
-            self._check_overlap(kind)
-        if kind != "ddp" and self.precision == "fp16":
-            raise ValueError(f"precision='fp16' needs every rank to skip the same overflowing steps, which only "
-                             f"sync='ddp' guarantees; use precision='bf16' with sync={self.sync!r}")
+        # The field validators parsed both strings, and `parse_*` keeps what it parsed: no second parse.
+        self._sync, self._compression = parse_sync(self.sync), parse_compression(self.compression)
+        for combination in COMBINATIONS:
+            if (message := combination.refusal(self)) is not None:
+                raise ValueError(message)
         return self
 
-    def _check_overlap(self, kind: str) -> None:
-        """The combinations that stepping the optimizer bucket by bucket refuses."""
-        if kind != "ddp":
-            raise ValueError(f"overlap_optimizer=True steps the optimizer as DDP's per-step gradient all-reduce lands, "
-                             f"which sync={self.sync!r} does not do; use one or the other")
-        if self.zero:
-            raise ValueError(f"overlap_optimizer=True with zero={self.zero} is not built: ZeRO steps its own shards of "
-                             "the optimizer; use one or the other")
-        if self.precision == "fp16":
-            raise ValueError("overlap_optimizer=True with precision='fp16' is not built: the loss scaler must see "
-                             "every gradient for overflow before any parameter steps; use precision='bf16'")
-
-    def _check_stale(self) -> None:
-        """The combinations stale synchrony refuses: each would break its exact rollback."""
-        if self.zero:
-            raise ValueError(f"zero={self.zero} with sync={self.sync!r} is not built: a death rolls every rank back "
-                             "to a whole copy of the model and optimizer kept S steps behind, which ZeRO's shards "
-                             "(resharded at every heal) do not keep; use one or the other")
-        if self.compression != "none":
-            raise ValueError(f"compression={self.compression!r} with sync={self.sync!r} is not built: it hooks DDP's "
-                             "all-reduce, and stale synchrony all-reduces each step's whole gradient itself; use one "
-                             "or the other")
-        if self.precision == "fp16":
-            raise ValueError(f"precision='fp16' with sync={self.sync!r} is not built: the loss scaler would judge a "
-                             "step's overflow on this rank's own gradient, while the optimizer steps with the "
-                             "average of S steps ago; use precision='bf16'")
+    @property
+    def sync_options(self) -> SyncSpec:
+        """The parsed `sync`, e.g. DiLoCoSpec(every=8, outer_lr=0.7, outer_momentum=0.9); also read as
+        {"kind": "diloco", "every": 8, ...}."""
+        return self._sync
 
     @property
-    def sync_options(self) -> dict[str, Any]:
-        """The parsed `sync`: {"kind": ..., "every": H, ...} with defaults filled in."""
-        return parse_sync(self.sync)
-
-    @property
-    def compression_options(self) -> dict[str, Any]:
-        """The parsed `compression`: {"kind": ..., "rank": R, "start_iter": N} with defaults filled in."""
-        return parse_compression(self.compression)
+    def compression_options(self) -> CompressionSpec:
+        """The parsed `compression`, e.g. PowerSGDSpec(rank=4, start_iter=10); also read as
+        {"kind": "powersgd", "rank": 4, "start_iter": 10}."""
+        return self._compression
 
 
-def parse_compression(text: str) -> dict[str, Any]:
-    """'powersgd:rank=4' -> {"kind": "powersgd", "rank": 4, "start_iter": 10}; 'fp16' -> {"kind": "fp16"}."""
-    usage = "'none', 'fp16', 'bf16' or 'powersgd:rank=R[,start_iter=N]'"
-    parsed = _parse_options("compression", text, _COMPRESSION_OPTIONS, usage)
-    if parsed["kind"] != "powersgd":
-        return parsed
-    if "rank" not in parsed or parsed["rank"] < 1:
-        raise ValueError(f"compression {text!r} needs rank=R with R >= 1, e.g. 'powersgd:rank=4'")
-    parsed = {"start_iter": 10, **parsed}
-    if parsed["start_iter"] < 0:
-        raise ValueError(f"compression {text!r}: start_iter must be >= 0")
-    return parsed
+# --- The techniques' spec strings, parsed once into typed values --------------------------------
+# `Strategy(sync="diloco:every=8")` and `Strategy(compression="powersgd:rank=4")` stay strings, as the
+# CLI passes them; the validator parses each once into one of the frozen specs below, which the
+# techniques read by attribute (`spec.every`). A spec also reads as the dict {"kind": ..., option:
+# value} (`strategy.sync_options.get("every")`), as loops written against the dicts read it.
+
+_OPTION_TYPES = {"int": (int, "an integer"), "float": (float, "a number")}  # a field's annotation (a string here)
 
 
-def parse_sync(text: str) -> dict[str, Any]:
-    """'diloco:every=8,outer_lr=0.5' -> {"kind": "diloco", "every": 8, "outer_lr": 0.5, "outer_momentum": 0.9}."""
-    usage = ("'ddp', 'local_sgd:every=H', 'diloco:every=H[,outer_lr=X][,outer_momentum=X]', "
-             "'easgd:every=H[,alpha=X]' or 'stale:bound=S'")
-    parsed = _parse_options("sync", text, _SYNC_OPTIONS, usage)
-    kind = parsed["kind"]
-    if kind == "ddp":
-        return parsed
-    if kind == "stale":
-        if parsed.get("bound", -1) < 0:
+@dataclass(frozen=True, eq=False, kw_only=True)
+class _Spec(Mapping):
+    """A parsed spec: its kind and its options, each a typed field with its default."""
+
+    kind: str
+
+    @classmethod
+    def options(cls) -> dict[str, tuple[Callable[[str], Any], str]]:
+        """Each option the spec string may give: name -> (parser, what a value must be)."""
+        return {f.name: _OPTION_TYPES[f.type] for f in fields(cls) if f.name != "kind"}
+
+    def check(self, text: str) -> None:
+        """Raise ValueError, quoting the spec string `text`, where an option is missing or out of range."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    def _keys(self) -> list[str]:
+        return [f.name for f in fields(self)]
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class DDPSpec(_Spec):
+    """sync='ddp': DDP all-reduces the gradients every step."""
+
+    kind: str = "ddp"
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class _PeriodicSpec(_Spec):
+    """The ranks step alone and sync every `every` steps (local SGD, DiLoCo, EASGD)."""
+
+    every: int = 0  # 0: not given, which `check` refuses
+
+    def check(self, text: str) -> None:
+        if self.every < 1:
+            raise ValueError(f"sync {text!r} needs every=H with H >= 1 steps between syncs, e.g. "
+                             f"'{self.kind}:every=8'")
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class LocalSGDSpec(_PeriodicSpec):
+    """sync='local_sgd:every=H': the parameters averaged every H steps."""
+
+    kind: str = "local_sgd"
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class DiLoCoSpec(_PeriodicSpec):
+    """sync='diloco:every=H[,outer_lr=X][,outer_momentum=X]': an outer Nesterov SGD every H steps."""
+
+    kind: str = "diloco"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    def check(self, text: str) -> None:
+        super().check(text)
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"sync {text!r}: outer_lr must be > 0 and 0 <= outer_momentum < 1")
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class EASGDSpec(_PeriodicSpec):
+    """sync='easgd:every=H[,alpha=X]': each rank and the center move toward each other every H steps."""
+
+    kind: str = "easgd"
+    alpha: float = 0.1
+
+    def check(self, text: str) -> None:
+        super().check(text)
+        if not 0 < self.alpha <= 1:
+            raise ValueError(f"sync {text!r}: alpha must be in (0, 1], the share of its distance to the center each "
+                             "rank moves at a sync; the paper's is 0.9 / N for N ranks, e.g. 'easgd:every=8,alpha=0.1'")
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class StaleSpec(_Spec):
+    """sync='stale:bound=S': the optimizer steps with the averaged gradient of S steps ago."""
+
+    kind: str = "stale"
+    bound: int = -1  # -1: not given, which `check` refuses
+
+    def check(self, text: str) -> None:
+        if self.bound < 0:
             raise ValueError(f"sync {text!r} needs bound=S with S >= 0, the steps a gradient may be late, "
                              "e.g. 'stale:bound=2'")
-        return parsed
-    if "every" not in parsed or parsed["every"] < 1:
-        raise ValueError(f"sync {text!r} needs every=H with H >= 1 steps between syncs, e.g. '{kind}:every=8'")
-    parsed = {**_SYNC_DEFAULTS.get(kind, {}), **parsed}
-    if kind == "diloco" and (parsed["outer_lr"] <= 0 or not 0 <= parsed["outer_momentum"] < 1):
-        raise ValueError(f"sync {text!r}: outer_lr must be > 0 and 0 <= outer_momentum < 1")
-    if kind == "easgd" and not 0 < parsed["alpha"] <= 1:
-        raise ValueError(f"sync {text!r}: alpha must be in (0, 1], the share of its distance to the center each "
-                         "rank moves at a sync; the paper's is 0.9 / N for N ranks, e.g. 'easgd:every=8,alpha=0.1'")
-    return parsed
 
 
-def _parse_options(field: str, text: str, kinds: dict[str, dict[str, type]], usage: str) -> dict[str, Any]:
-    """'kind:key=value,...' -> {"kind": kind, key: value}, each value of the type `kinds` gives it."""
+@dataclass(frozen=True, eq=False, kw_only=True)
+class NoCompressionSpec(_Spec):
+    """compression='none': DDP's gradient buckets sent as they are."""
+
+    kind: str = "none"
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class CastSpec(_Spec):
+    """compression='fp16' or 'bf16': DDP's gradient buckets sent in that dtype."""
+
+    kind: str  # "fp16" or "bf16"
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class PowerSGDSpec(_Spec):
+    """compression='powersgd:rank=R[,start_iter=N]': rank-R factors after N plain steps."""
+
+    kind: str = "powersgd"
+    rank: int = 0  # 0: not given, which `check` refuses
+    start_iter: int = 10
+
+    def check(self, text: str) -> None:
+        if self.rank < 1:
+            raise ValueError(f"compression {text!r} needs rank=R with R >= 1, e.g. 'powersgd:rank=4'")
+        if self.start_iter < 0:
+            raise ValueError(f"compression {text!r}: start_iter must be >= 0")
+
+
+SyncSpec = DDPSpec | LocalSGDSpec | DiLoCoSpec | EASGDSpec | StaleSpec
+CompressionSpec = NoCompressionSpec | CastSpec | PowerSGDSpec
+_SYNC_KINDS: dict[str, type[_Spec]] = {"ddp": DDPSpec, "local_sgd": LocalSGDSpec, "diloco": DiLoCoSpec,
+                                       "easgd": EASGDSpec, "stale": StaleSpec}
+_COMPRESSION_KINDS: dict[str, type[_Spec]] = {"none": NoCompressionSpec, "fp16": CastSpec, "bf16": CastSpec,
+                                              "powersgd": PowerSGDSpec}
+
+
+@functools.cache
+def parse_sync(text: str) -> SyncSpec:
+    """'diloco:every=8,outer_lr=0.5' -> DiLoCoSpec(every=8, outer_lr=0.5, outer_momentum=0.9)."""
+    usage = ("'ddp', 'local_sgd:every=H', 'diloco:every=H[,outer_lr=X][,outer_momentum=X]', "
+             "'easgd:every=H[,alpha=X]' or 'stale:bound=S'")
+    return _parse("sync", text, _SYNC_KINDS, usage)
+
+
+@functools.cache
+def parse_compression(text: str) -> CompressionSpec:
+    """'powersgd:rank=4' -> PowerSGDSpec(rank=4, start_iter=10); 'fp16' -> CastSpec(kind="fp16")."""
+    return _parse("compression", text, _COMPRESSION_KINDS, "'none', 'fp16', 'bf16' or 'powersgd:rank=R[,start_iter=N]'")
+
+
+def _parse(field: str, text: str, kinds: dict[str, type[_Spec]], usage: str) -> Any:
+    """'kind:key=value,...' -> the kind's spec, each value of the type its field gives it, checked."""
     kind, _, rest = text.partition(":")
     if kind not in kinds:
         raise ValueError(f"{field} {text!r} is not one of {usage}")
-    allowed = kinds[kind]
-    parsed: dict[str, Any] = {"kind": kind}
+    allowed = kinds[kind].options()
+    given: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         if key not in allowed:
             raise ValueError(f"{field} {text!r}: {kind} takes no option {key!r}; use {usage}")
+        parser, kind_of = allowed[key]
         try:
-            parsed[key] = allowed[key](value)
+            given[key] = parser(value)
         except ValueError:
-            kind_of = {int: "an integer", float: "a number"}[allowed[key]]
             raise ValueError(f"{field} {text!r}: {key}={value!r} is not {kind_of}") from None
-    return parsed
+    spec = kinds[kind](kind=kind, **given)
+    spec.check(text)
+    return spec
+
+
+# --- What each technique combines with ------------------------------------------------------------
+# Each technique declares the settings it refuses, with the message that says why; `Strategy`'s
+# validator raises the first refusal that holds, the techniques in this order. A refusal is declared
+# once, by the technique whose message speaks of it. They are here, in the vocabulary layer, and not
+# beside each technique's hooks (`elastic.techniques`), so that a Strategy is refused before torch
+# or Ray is imported.
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A setting a technique does not combine with: set where `given(strategy)`; `message`, formatted with the
+    strategy as `s`, says why and what to use instead."""
+
+    given: Callable[[Strategy], bool]
+    message: str
+
+
+@dataclass(frozen=True)
+class Combination:
+    """What one technique combines with: it is on where `on(strategy)`, and then refuses each of `refuses`."""
+
+    technique: str
+    on: Callable[[Strategy], bool]
+    refuses: tuple[Refusal, ...]
+
+    def refusal(self, strategy: Strategy) -> str | None:
+        """The message of the first refusal that holds for `strategy`, or None."""
+        if not self.on(strategy):
+            return None
+        return next((r.message.format(s=strategy) for r in self.refuses if r.given(strategy)), None)
+
+
+def _without_ddp(s: Strategy) -> bool:
+    return s.sync_options.kind != "ddp"
+
+
+COMBINATIONS: tuple[Combination, ...] = (
+    Combination("stale synchrony", lambda s: s.sync_options.kind == "stale", (
+        Refusal(lambda s: s.zero > 0,
+                "zero={s.zero} with sync={s.sync!r} is not built: a death rolls every rank back to a whole copy of the "
+                "model and optimizer kept S steps behind, which ZeRO's shards (resharded at every heal) do not keep; "
+                "use one or the other"),
+        Refusal(lambda s: s.compression != "none",
+                "compression={s.compression!r} with sync={s.sync!r} is not built: it hooks DDP's all-reduce, and stale "
+                "synchrony all-reduces each step's whole gradient itself; use one or the other"),
+        Refusal(lambda s: s.precision == "fp16",
+                "precision='fp16' with sync={s.sync!r} is not built: the loss scaler would judge a step's overflow on "
+                "this rank's own gradient, while the optimizer steps with the average of S steps ago; use "
+                "precision='bf16'"),
+    )),
+    Combination("gradient compression", lambda s: s.compression != "none", (
+        Refusal(_without_ddp, "compression={s.compression!r} acts on DDP's per-step gradient all-reduce, which "
+                "sync={s.sync!r} does not do; use one or the other"),
+    )),
+    Combination("ZeRO", lambda s: s.zero > 0, (
+        Refusal(_without_ddp, "zero={s.zero} shards the state of an optimizer that steps on all-reduced gradients; "
+                "sync={s.sync!r} steps each rank alone: use one or the other"),
+    )),
+    Combination("ZeRO without buddy copies", lambda s: s.zero_replicas == 0, (
+        Refusal(lambda s: s.zero == 0, "zero_replicas=0 drops the buddy copies of ZeRO's shards, which exist only "
+                "with zero=1, 2 or 3; set zero or leave zero_replicas at 1"),
+    )),
+    Combination("ZeRO-2/3 on FSDP2", lambda s: s.zero >= 2, (
+        Refusal(lambda s: s.precision == "fp16", "zero={s.zero} with precision='fp16' is not built: each rank would "
+                "find overflows in its own gradient shard only; use precision='bf16', or zero=1"),
+        Refusal(lambda s: s.compression != "none", "compression={s.compression!r} acts on DDP's gradient all-reduce; "
+                "zero={s.zero} reduce-scatters the gradients with FSDP2 instead: use one or the other"),
+    )),
+    Combination("the overlapped optimizer", lambda s: s.overlap_optimizer, (
+        Refusal(_without_ddp, "overlap_optimizer=True steps the optimizer as DDP's per-step gradient all-reduce "
+                "lands, which sync={s.sync!r} does not do; use one or the other"),
+        Refusal(lambda s: s.zero > 0, "overlap_optimizer=True with zero={s.zero} is not built: ZeRO steps its own "
+                "shards of the optimizer; use one or the other"),
+        Refusal(lambda s: s.precision == "fp16", "overlap_optimizer=True with precision='fp16' is not built: the loss "
+                "scaler must see every gradient for overflow before any parameter steps; use precision='bf16'"),
+    )),
+    Combination("fp16 loss scaling", lambda s: s.precision == "fp16", (
+        Refusal(_without_ddp, "precision='fp16' needs every rank to skip the same overflowing steps, which only "
+                "sync='ddp' guarantees; use precision='bf16' with sync={s.sync!r}"),
+    )),
+)
 
 
 def check_strategy_fits(strategy: Strategy, checkpoint: CheckpointConfig) -> None:
@@ -558,7 +714,7 @@ def check_strategy_fits(strategy: Strategy, checkpoint: CheckpointConfig) -> Non
     every = strategy.sync_options.get("every")
     if every and checkpoint.every_steps and checkpoint.every_steps % every:
         raise ValueError(f"CheckpointConfig(every_steps={checkpoint.every_steps}) is not a multiple of the "
-                         f"{strategy.sync_options['kind']} interval {every} (sync={strategy.sync!r}): only the state of a "
+                         f"{strategy.sync_options.kind} interval {every} (sync={strategy.sync!r}): only the state of a "
                          f"sync is checkpointed; use every_steps={every * max(1, checkpoint.every_steps // every)}")
 
 

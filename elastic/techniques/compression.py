@@ -18,21 +18,29 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from elastic.config import Strategy
+from elastic.techniques.technique import Codec, Run
+
 DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class GradientCompression:
-    """One worker's gradient compression, for every generation of the run."""
+class GradientCompression(Codec):
+    """One worker's gradient compression, for every generation of the run; under 'none', DDP's
+    buckets as they are, through the hook where the run needs one."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.dtype = DTYPES[name]
         self.bytes_sent = 0
+        self.hooks_gradients = self.dtype is not None
+
+    @classmethod
+    def build(cls, strategy: Strategy, run: Run) -> GradientCompression | None:
+        kind = strategy.compression_options.kind
+        return cls(kind) if kind in DTYPES else None  # PowerSGD is the other codec
 
     def all_reduce(self, bucket: dist.GradBucket,
                    reduce: Callable[[torch.Tensor], torch.futures.Future]) -> torch.futures.Future:
-        """Average the bucket across ranks through `reduce` (a summing all-reduce returning a
-        future of its tensor); a future of the bucket's averaged buffer."""
         buffer = bucket.buffer()
         world_size = dist.get_world_size()
         if self.dtype is None:

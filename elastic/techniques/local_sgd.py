@@ -38,19 +38,24 @@ approximation after a death (the survivors' average) and for Adam.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from elastic.checkpoint.checkpoint import Checkpoint
 from elastic.comm.flat_state import flatten, unflatten
 from elastic.comm.state_sync import load_into, state_of
+from elastic.config import Strategy
+from elastic.techniques.shard_plan import ShardPosition
+from elastic.techniques.technique import RankState, Run, Technique
 
 
 class OuterSync:
     """The periodic sync of one run on one worker; registered with the run as replicated state."""
 
-    def __init__(self, options: dict[str, Any], model: torch.nn.Module, max_steps: int) -> None:
+    def __init__(self, options: Mapping[str, Any], model: torch.nn.Module, max_steps: int) -> None:
         self.kind = options["kind"]
         self.every = options["every"]
         self.max_steps = max_steps
@@ -175,3 +180,72 @@ class Backup:
             load_into(obj, states[name])
         return progress
 
+
+
+class PeriodicSync(Technique):
+    """`Strategy(sync="local_sgd:..." / "diloco:..." / "easgd:...")` as a technique: the `OuterSync` of the
+    prepared model, the `Backup` of its last sync to roll back to, the inner optimizer's state per rank."""
+
+    replaces_ddp = True  # it syncs parameters, not gradients
+
+    def __init__(self, options: Mapping[str, Any], max_steps: int | None) -> None:
+        self._options, self._max_steps = options, max_steps
+        self._outer: OuterSync | None = None  # made by prepare_model
+        self._backup = Backup()
+
+    @classmethod
+    def build(cls, strategy: Strategy, run: Run) -> PeriodicSync | None:
+        options = strategy.sync_options
+        return cls(options, run.max_steps) if options.kind in ("local_sgd", "diloco", "easgd") else None
+
+    def prepare_model(self, model: torch.nn.Module, objects: dict[str, Any]) -> None:
+        self._outer = objects["outer_sync"] = OuterSync(self._options, model, self._max_steps)
+
+    @property
+    def acts_between_steps(self) -> bool:
+        return self._outer is not None
+
+    def sync_due(self, step: int) -> bool:
+        return self._outer is not None and self._outer.due(step)
+
+    def sync(self, objects: dict[str, Any], progress: dict[str, Any]) -> None:
+        self._outer.sync(progress["step"])
+        self._backup.take(objects, progress)
+
+    def rewind(self, objects: dict[str, Any], progress: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """Back to the last sync, the only point where the state is the same on every rank (the
+        interval is then replayed)."""
+        if self._outer is None or self._backup.step in (None, progress["step"]):
+            return progress, 0
+        restored = self._backup.restore(objects)
+        return restored, progress["step"] - restored["step"]
+
+    def after_sync(self, position: ShardPosition | None, objects: dict[str, Any], progress: dict[str, Any],
+                   resume_from: Checkpoint | None) -> None:
+        if self._outer is not None:
+            self._outer.start_from_center()  # EASGD: every rank starts the generation from the center
+            self._backup.take(objects, progress)
+
+    def rank_states(self, optimizer: torch.optim.Optimizer | None) -> list[RankState]:
+        """The inner optimizer's state: each rank stepped it alone since the last sync."""
+        if self._outer is None or optimizer is None:
+            return []
+        return [RankState("optimizer", "state", lambda: optimizer.state_dict()["state"],
+                          lambda state: optimizer.load_state_dict({**optimizer.state_dict(), "state": state}))]
+
+    def kept_state(self, objects: dict[str, Any], progress: dict[str, Any]
+                   ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The last sync's state, where a run resumes; under EASGD with the center as the model."""
+        if self._outer is None:
+            return None
+        states, progress = self._backup.states()
+        states["model"] = self._outer.model_to_checkpoint(states["model"], states["outer_sync"])
+        return states, progress
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._outer.bytes_sent if self._outer is not None else 0
+
+    @property
+    def syncs(self) -> int:
+        return self._outer.syncs if self._outer is not None else 0

@@ -39,11 +39,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from elastic.config import Strategy
 from elastic.errors import ElasticError
+from elastic.techniques.technique import Run, Technique
 
 
-class OptimizerOverlap:
+class OptimizerOverlap(Technique):
     """The run's optimizer, stepped per gradient bucket by one thread."""
+
+    hooks_gradients = True  # `after_reduce` runs in the hook
+    steps_on_bucket_views = True
 
     def __init__(self) -> None:
         self._optimizer: torch.optim.Optimizer | None = None
@@ -55,6 +60,14 @@ class OptimizerOverlap:
         self._stepped: set[torch.Tensor] = set()  # this step's parameters stepped by their buckets
         self._saved: list[tuple[list[torch.Tensor], list[dict[str, Any]]]] = []  # this step's, in stepping order
         self._copies: dict[tuple[torch.Tensor, str], torch.Tensor] = {}  # reused from step to step
+
+    @classmethod
+    def build(cls, strategy: Strategy, run: Run) -> OptimizerOverlap | None:
+        return cls() if strategy.overlap_optimizer else None
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, objects: dict[str, Any]) -> torch.optim.Optimizer:
+        self.adopt(optimizer)
+        return optimizer
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """From now on `optimizer.step()` waits for the buckets' steps and steps only the rest."""
@@ -106,6 +119,9 @@ class OptimizerOverlap:
         """The step committed (its `optimizer.step()` waited already, unless the loop skipped it)."""
         self.wait()
         self._saved, self._stepped = [], set()
+
+    def failed(self) -> None:
+        self.roll_back()
 
     def roll_back(self) -> None:
         """The step failed: stop stepping its buckets and put back those that stepped."""

@@ -41,6 +41,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from elastic.config import PowerSGDSpec, Strategy
+from elastic.techniques.technique import Codec, RankState, Run
+
 
 class PowerSGD:
     """One worker's PowerSGD state and hook body, for every generation of the run."""
@@ -183,6 +186,48 @@ class PowerSGD:
 
     def load_local_state(self, error: dict[int, torch.Tensor]) -> None:
         self.error = dict(error)
+
+
+class PowerSGDCompression(Codec):
+    """`Strategy(compression="powersgd:...")` as a technique: the `PowerSGD` of the prepared model, its
+    step's changes kept only if the step commits, its error buffers a per-rank state."""
+
+    hooks_gradients = True
+    keeps_torch_buckets = True  # why: `elastic.worker.data_parallel.GLOO_BUCKET_CAP_MB`
+
+    def __init__(self, spec: PowerSGDSpec, seed: int) -> None:
+        self._spec, self._seed = spec, seed
+        self._powersgd: PowerSGD | None = None  # made by prepare_model
+
+    @classmethod
+    def build(cls, strategy: Strategy, run: Run) -> PowerSGDCompression | None:
+        spec = strategy.compression_options
+        return cls(spec, run.seed) if isinstance(spec, PowerSGDSpec) else None
+
+    def prepare_model(self, model: torch.nn.Module, objects: dict[str, Any]) -> None:
+        self._powersgd = objects["powersgd"] = PowerSGD(list(model.parameters()), self._spec.rank,
+                                                        self._spec.start_iter, seed=self._seed)
+
+    def all_reduce(self, bucket: dist.GradBucket,
+                   reduce: Callable[[torch.Tensor], torch.futures.Future]) -> torch.futures.Future:
+        return self._powersgd.all_reduce(bucket, reduce)
+
+    def committed(self) -> None:
+        if self._powersgd is not None:
+            self._powersgd.commit()
+
+    def failed(self) -> None:
+        if self._powersgd is not None:  # a formation before the model is prepared calls it too
+            self._powersgd.discard()
+
+    def rank_states(self, optimizer: torch.optim.Optimizer | None) -> list[RankState]:
+        if self._powersgd is None:
+            return []
+        return [RankState("powersgd", "error", self._powersgd.local_state, self._powersgd.load_local_state)]
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._powersgd.bytes_sent if self._powersgd is not None else 0
 
 
 @dataclass

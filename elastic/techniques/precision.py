@@ -28,17 +28,32 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.utils._pytree as pytree
 
+from elastic.config import Strategy
+from elastic.techniques.technique import Run, Technique
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Precision:
-    """One run's precision on one worker: autocast for the forward, loss scaling for fp16."""
+class Precision(Technique):
+    """One run's precision on one worker: autocast for the forward, loss scaling for fp16. Every run
+    has one (fp32 is a precision too)."""
 
     def __init__(self, mode: str, device: torch.device) -> None:
         self.device = device
         self.dtype = DTYPES.get(mode)
         self.scaler = torch.amp.GradScaler(device.type) if mode == "fp16" else None
         self._stepping = False
+
+    @classmethod
+    def build(cls, strategy: Strategy, run: Run) -> Precision:
+        return cls(strategy.precision, run.device)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, objects: dict[str, Any]) -> torch.optim.Optimizer:
+        """Register fp16's loss scaler as replicated state and wrap the optimizer's step in it."""
+        if self.scaler is not None:
+            objects["grad_scaler"] = self.scaler
+            self.wrap_step(optimizer)
+        return optimizer
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:

@@ -42,8 +42,12 @@ from typing import Any, Callable
 
 import torch
 
+from elastic.checkpoint.checkpoint import Checkpoint
 from elastic.comm.flat_state import flatten, unflatten
 from elastic.comm.state_sync import load_into, state_of
+from elastic.config import StaleSpec, Strategy
+from elastic.techniques.shard_plan import ShardPosition
+from elastic.techniques.technique import Run, Technique
 
 # Registered objects that the base copies itself, and this module's own.
 OWN_OBJECTS = ("model", "optimizer", "stale")
@@ -261,6 +265,62 @@ class StaleSync:
                 continue
             p.grad = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+
+
+class StaleSynchrony(Technique):
+    """`Strategy(sync="stale:bound=S")` as a technique: the `StaleSync` of the prepared model and optimizer."""
+
+    replaces_ddp = True  # it all-reduces each step's whole gradient itself
+
+    def __init__(self, bound: int, max_steps: int | None) -> None:
+        self._bound, self._max_steps = bound, max_steps
+        self._stale: StaleSync | None = None  # made by prepare_model
+
+    @classmethod
+    def build(cls, strategy: Strategy, run: Run) -> StaleSynchrony | None:
+        spec = strategy.sync_options
+        return cls(spec.bound, run.max_steps) if isinstance(spec, StaleSpec) else None
+
+    def prepare_model(self, model: torch.nn.Module, objects: dict[str, Any]) -> None:
+        self._stale = objects["stale"] = StaleSync(self._bound, model, self._max_steps)
+
+    def hook_optimizer(self, optimizer: torch.optim.Optimizer, where: Callable[[], tuple[int, int]],
+                       launch: Callable[[torch.Tensor], torch.futures.Future]) -> None:
+        if self._stale is not None:
+            self._stale.adopt(optimizer, where, launch)
+
+    @property
+    def acts_between_steps(self) -> bool:
+        return self._stale is not None
+
+    def at_boundary(self, objects: dict[str, Any], progress: Any) -> None:
+        """Keep what the step left, S steps behind."""
+        if self._stale is not None:
+            self._stale.at_boundary(objects, progress.to_dict())
+
+    def drain(self) -> None:
+        if self._stale is not None:
+            self._stale.drain()
+
+    def rewind(self, objects: dict[str, Any], progress: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """Back to the complete state S steps behind, where gradients were still in flight."""
+        if self._stale is None:
+            return progress, 0
+        return self._stale.roll_back(objects, progress)
+
+    def after_sync(self, position: ShardPosition | None, objects: dict[str, Any], progress: dict[str, Any],
+                   resume_from: Checkpoint | None) -> None:
+        if self._stale is not None:
+            self._stale.rebase(objects, progress)
+
+    def kept_state(self, objects: dict[str, Any], progress: dict[str, Any]
+                   ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The newest complete state, where a run resumes."""
+        return self._stale.committed_state(objects, progress) if self._stale is not None else None
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._stale.bytes_sent if self._stale is not None else 0
 
 
 def _copied(state: dict[str, Any]) -> dict[str, Any]:

@@ -1,19 +1,12 @@
-"""The run's `Strategy` on one worker: what each technique does at each point of a run.
+"""The run's `Strategy` on one worker: its techniques, built once, called at each point of a run.
 
-`TrainContext` calls in at the points that matter, and this module decides what each
-technique needs there; the techniques themselves live in their own modules (precision,
-compression, powersgd, zero, local_sgd). The points:
-
-- preparing the model and the optimizer: which objects exist and how their state is synced;
-- a step's commit or failure: PowerSGD keeps a step's changes only if it commits;
-- a formation, before and after the replicated sync: local SGD rolls back to its last sync
-  (and EASGD's ranks restart from the center), per-rank state is averaged over the ranks that
-  held it, ZeRO's shards are resharded;
-- a checkpoint: which state is written (local SGD: its last sync's; EASGD: the center as the
-  model; stale synchrony: its complete state of S steps back), with per-rank state averaged so
-  that every rank's slice fits the others';
-- a step boundary and a planned switch: stale synchrony keeps its complete state S steps
-  behind, and waits for the reductions in flight before a switch.
+Each technique is a `Technique` (`elastic.techniques.technique`) in its own module; `TECHNIQUES`
+lists them in the order their hooks run, and `Techniques` calls the ones the Strategy turns on
+at the points `TrainContext` calls in at: preparing the model and the optimizer, DDP's gradient
+sync, a step's commit or failure, a step boundary and a planned switch, a formation (before and
+after the replicated sync, where per-rank state is averaged over the ranks that held it), and a
+checkpoint (which state is written, with per-rank state averaged so that every rank's slice fits
+the others'). Adding a technique: its module, and its line in `TECHNIQUES`.
 """
 
 from __future__ import annotations
@@ -22,18 +15,32 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from elastic.checkpoint.checkpoint import Checkpoint
 from elastic.comm.state_sync import average_over_holders, state_of, take_awaited
 from elastic.config import Strategy
 from elastic.techniques.compression import GradientCompression
-from elastic.techniques.local_sgd import Backup, OuterSync
+from elastic.techniques.local_sgd import PeriodicSync
 from elastic.techniques.overlap import OptimizerOverlap
-from elastic.techniques.powersgd import PowerSGD
+from elastic.techniques.powersgd import PowerSGDCompression
 from elastic.techniques.precision import Precision
 from elastic.techniques.shard_plan import ShardPosition
-from elastic.techniques.stale import StaleSync
-from elastic.techniques.zero import ShardedOptimizer
+from elastic.techniques.sharding import ZeRO
+from elastic.techniques.stale import StaleSynchrony
+from elastic.techniques.technique import Codec, RankState, Run, Technique
+
+# Every technique a Strategy can turn on, in the order their hooks run at each point: ZeRO shards the
+# optimizer before precision wraps its step, and the overlapped optimizer adopts it last.
+TECHNIQUES: tuple[type[Technique], ...] = (
+    ZeRO,
+    StaleSynchrony,
+    PeriodicSync,
+    GradientCompression,
+    PowerSGDCompression,
+    Precision,
+    OptimizerOverlap,
+)
 
 
 @dataclass
@@ -49,183 +56,132 @@ class Held:
 class Techniques:
     """One worker's techniques, for every generation of the run."""
 
-    def __init__(self, strategy: Strategy, device: torch.device, max_steps: int, seed: int) -> None:
+    def __init__(self, strategy: Strategy, device: torch.device, max_steps: int | None, seed: int) -> None:
         self.strategy = strategy
         self.device = device
-        self.precision = Precision(strategy.precision, device)
-        casting = strategy.compression if strategy.compression in ("fp16", "bf16") else "none"
-        # What DDP's gradient hook does to each bucket (PowerSGD once the model is prepared).
-        self.codec: GradientCompression | PowerSGD = GradientCompression(casting)
-        self.outer: OuterSync | None = None  # local SGD / DiLoCo / EASGD
-        self.stale: StaleSync | None = None  # stale-synchronous all-reduce
-        self.zero: ShardedOptimizer | None = None  # ZeRO-1
-        # The optimizer stepped bucket by bucket as DDP's all-reduces land.
-        self.overlap = OptimizerOverlap() if strategy.overlap_optimizer else None
-        self.sharded: Any = None  # ZeRO-2/3: a FullyShardedModel
-        self.backup = Backup()  # local SGD's state at its last sync
-        self._max_steps = max_steps
-        self._seed = seed
+        run = Run(device, max_steps, seed)
+        self._all = [technique for kind in TECHNIQUES if (technique := kind.build(strategy, run)) is not None]
+        # Every run has one of each: the forward runs under its precision, DDP's buckets go through its codec.
+        self.precision = next(t for t in self._all if isinstance(t, Precision))
+        self._codec = next(t for t in self._all if isinstance(t, Codec))
+        # Known from the Strategy alone, and read in the hot paths.
+        self.replaces_ddp = any(t.replaces_ddp for t in self._all)
+        self.hooks_gradients = any(t.hooks_gradients for t in self._all)
+        self.keeps_torch_buckets = any(t.keeps_torch_buckets for t in self._all)
+        self.steps_on_bucket_views = any(t.steps_on_bucket_views for t in self._all)
         self._optimizer: torch.optim.Optimizer | None = None
         self._gradient_bytes = 0  # what one step's gradient sync hands to DDP's all-reduce
+        self._unhooked_bytes = 0  # ... summed over the steps DDP synced without the hook
         self._last_checkpointed = -1
 
     # --- preparing ----------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module, objects: dict[str, Any]) -> None:
         """Create what works on `model`, registering its replicated state in `objects`."""
         self._gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        if self.strategy.zero >= 2:
-            # FSDP2 (torch >= 2.6) is imported only by the runs that use it.
-            from elastic.techniques.fsdp import FullyShardedModel, ShardedBuffers
-
-            self.sharded = FullyShardedModel(model, self.strategy.zero, self.strategy.zero_replicas)
-            objects["model"] = ShardedBuffers(self.sharded)  # the parameters are sharded, not synced whole
-        sync = self.strategy.sync_options
-        if sync["kind"] == "stale":
-            self.stale = objects["stale"] = StaleSync(sync["bound"], model, self._max_steps)
-        elif sync["kind"] != "ddp":
-            self.outer = objects["outer_sync"] = OuterSync(sync, model, self._max_steps)
-        options = self.strategy.compression_options
-        if options["kind"] == "powersgd":
-            self.codec = objects["powersgd"] = PowerSGD(list(model.parameters()), options["rank"],
-                                                        options["start_iter"], seed=self._seed)
+        for technique in self._all:
+            technique.prepare_model(model, objects)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, objects: dict[str, Any]) -> torch.optim.Optimizer:
-        """The optimizer the train loop steps: under ZeRO a `ShardedOptimizer` around `optimizer`,
-        whose state is sharded rather than registered."""
-        if self.sharded is not None:
-            optimizer = self.sharded.adopt(optimizer)
-        elif self.strategy.zero:
-            optimizer = self.zero = ShardedOptimizer(optimizer, replicas=self.strategy.zero_replicas)
-        else:
+        """The optimizer the train loop steps: under ZeRO one around `optimizer`, whose state is sharded
+        rather than registered."""
+        if not any(t.shards_optimizer for t in self._all):
             take_awaited(objects, "optimizer", optimizer)
-        if self.precision.scaler is not None:
-            objects["grad_scaler"] = self.precision.scaler
-            self.precision.wrap_step(optimizer)
-        if self.overlap is not None:
-            self.overlap.adopt(optimizer)
+        for technique in self._all:
+            optimizer = technique.prepare_optimizer(optimizer, objects)
         self._optimizer = optimizer
         return optimizer
 
     def hook_optimizer(self, optimizer: torch.optim.Optimizer, where: Callable[[], tuple[int, int]],
                        launch: Callable[[torch.Tensor], torch.futures.Future]) -> None:
-        """Stale synchrony's hooks on the prepared optimizer's steps (`StaleSync.adopt`)."""
-        if self.stale is not None:
-            self.stale.adopt(optimizer, where, launch)
-
-    @property
-    def replaces_ddp(self) -> bool:
-        """Local SGD syncs parameters itself, stale synchrony all-reduces gradients itself, ZeRO-2/3
-        reduce-scatters them in FSDP2: no DDP."""
-        return self.outer is not None or self.stale is not None or self.sharded is not None
+        """The techniques' hooks on the prepared optimizer's steps (stale synchrony's)."""
+        for technique in self._all:
+            technique.hook_optimizer(optimizer, where, launch)
 
     @property
     def acts_between_steps(self) -> bool:
-        """Local SGD syncs and stale synchrony keeps its state at step boundaries; the rest do nothing there."""
-        return self.outer is not None or self.stale is not None
-
-    @property
-    def hooks_gradients(self) -> bool:
-        """DDP's gradient all-reduce must go through `codec`, and then step the optimizer where it overlaps."""
-        return self.strategy.compression != "none" or self.overlap is not None
+        """Local SGD syncs and stale synchrony keeps its state at step boundaries, once the model is prepared."""
+        return any(t.acts_between_steps for t in self._all)
 
     @property
     def reduces_within_nodes(self) -> bool:
-        """DDP's gradient all-reduce may sum within each node first (`Strategy(all_reduce)`); local SGD
-        and ZeRO-2/3 have no DDP."""
-        strategy = self.strategy
-        return strategy.all_reduce == "hierarchical" and strategy.sync_options["kind"] == "ddp" and strategy.zero < 2
+        """DDP's gradient all-reduce may sum within each node first (`Strategy(all_reduce)`) where DDP runs."""
+        return self.strategy.all_reduce == "hierarchical" and not self.replaces_ddp
 
-    # --- a step -------------------------------------------------------------------------
+    # --- DDP's gradient sync and a step ----------------------------------------------------
+    def all_reduce(self, bucket: dist.GradBucket,
+                   reduce: Callable[[torch.Tensor], torch.futures.Future]) -> torch.futures.Future:
+        """Average a DDP bucket through the run's codec (`reduce`: a summing all-reduce)."""
+        return self._codec.all_reduce(bucket, reduce)
+
+    def after_reduce(self, future: torch.futures.Future, bucket: dist.GradBucket) -> torch.futures.Future:
+        """What the bucket does once reduced: the overlapped optimizer steps its parameters."""
+        for technique in self._all:
+            future = technique.after_reduce(future, bucket)
+        return future
+
     def committed(self) -> None:
-        if isinstance(self.codec, PowerSGD):
-            self.codec.commit()
-        if self.overlap is not None:
-            self.overlap.committed()
+        for technique in self._all:
+            technique.committed()
 
     def failed(self) -> None:
         """The step in flight failed and will be redone."""
-        if isinstance(self.codec, PowerSGD):
-            self.codec.discard()
-        if self.overlap is not None:
-            self.overlap.roll_back()
+        for technique in self._all:
+            technique.failed()
 
     def count_unhooked_sync(self) -> None:
         """DDP synced a step's gradients without the hook: it sends each gradient once."""
         if not self.replaces_ddp:
-            self.codec.bytes_sent += self._gradient_bytes
+            self._unhooked_bytes += self._gradient_bytes
 
     def sync_due(self, step: int) -> bool:
-        return self.outer is not None and self.outer.due(step)
+        return any(t.sync_due(step) for t in self._all)
 
     def outer_sync(self, objects: dict[str, Any], progress: dict[str, Any]) -> None:
-        """Local SGD's sync after committed step `progress["step"]`; raises if a peer died in it."""
-        self.outer.sync(progress["step"])
-        self.backup.take(objects, progress)
+        """The periodic syncs due after committed step `progress["step"]`; raises if a peer died in one."""
+        for technique in self._all:
+            if technique.sync_due(progress["step"]):
+                technique.sync(objects, progress)
 
     def at_boundary(self, objects: dict[str, Any], progress: Any) -> None:
-        """A step boundary (`progress`: the run's `Progress`): stale synchrony keeps what the step left."""
-        if self.stale is not None:
-            self.stale.at_boundary(objects, progress.to_dict())
+        """A step boundary (`progress`: the run's `Progress`)."""
+        for technique in self._all:
+            technique.at_boundary(objects, progress)
 
     def drain(self) -> None:
-        """Before a planned switch: stale synchrony waits for its reductions in flight; raises if a peer died."""
-        if self.stale is not None:
-            self.stale.drain()
+        """Before a planned switch: wait for what is in flight; raises if a peer died."""
+        for technique in self._all:
+            technique.drain()
 
     def communication(self) -> dict[str, int]:
-        outer, stale = self.outer, self.stale
-        return {"sync_bytes": self.codec.bytes_sent + (outer.bytes_sent if outer else 0)
-                + (stale.bytes_sent if stale else 0),
-                "outer_syncs": outer.syncs if outer else 0}
+        return {"sync_bytes": self._unhooked_bytes + sum(t.bytes_sent for t in self._all),
+                "outer_syncs": sum(t.syncs for t in self._all)}
 
     # --- a formation ---------------------------------------------------------------------
     def before_sync(self, objects: dict[str, Any], progress: dict[str, Any], holds_state: bool) -> Held:
-        """Take what this rank holds; under local SGD first go back to the last sync, the only
-        point where the state is the same on every rank (the interval is then replayed)."""
+        """Take what this rank holds, after going back to a state every holder shares (local SGD: its
+        last sync; stale synchrony: its complete state)."""
         self.failed()  # a step that failed in the old generation is redone in the new one
         rolled_back = 0
-        if holds_state and self.outer is not None and self.backup.step not in (None, progress["step"]):
-            restored = self.backup.restore(objects)
-            rolled_back, progress = progress["step"] - restored["step"], restored
-        if holds_state and self.stale is not None:
-            progress, rolled_back = self.stale.roll_back(objects, progress)
-        sharded = self.zero if self.zero is not None else self.sharded
-        return Held(progress, rolled_back, {name: get() for name, (get, _) in self._per_rank().items()},
-                    sharded.position if sharded is not None and holds_state else None)
+        if holds_state:
+            for technique in self._all:
+                progress, undone = technique.rewind(objects, progress)
+                rolled_back += undone
+        position = next((p for t in self._all if (p := t.position()) is not None), None) if holds_state else None
+        return Held(progress, rolled_back, {state.name: state.get() for state in self._rank_states()}, position)
 
     def after_sync(self, held: Held, objects: dict[str, Any], progress: dict[str, Any], holds_state: bool,
                    resume_from: Checkpoint | None) -> None:
-        """Average per-rank state over its holders and reshard ZeRO's at the synced step
-        (`progress`), and start EASGD's ranks from the center; collectives every rank of the
-        generation calls."""
+        """Average per-rank state over its holders, then rebind each technique at the synced step
+        (`progress`); collectives every rank of the generation calls."""
         same_step = holds_state and held.progress["step"] == progress["step"]
-        for name, (get, put) in self._per_rank().items():
-            put(average_over_holders(get(), held.per_rank[name] if same_step else None, self.device))
-        if self.zero is not None:
-            self.zero.reshard(held.position, steps=progress["step"], restoring=resume_from is not None)
-            if resume_from is not None:
-                self.zero.load_sharded(resume_from.load_optimizer_shards(self.zero.wants_piece))
-        if self.sharded is not None:
-            pieces = resume_from.load_optimizer_shards(self.sharded.wants_piece) if resume_from is not None else []
-            if pieces:
-                self.sharded.check_pieces(pieces)
-            self.sharded.form(held.position, steps=progress["step"], pieces=pieces)
-        if self.outer is not None:
-            self.outer.start_from_center()
-            self.backup.take(objects, progress)
-        if self.stale is not None:
-            self.stale.rebase(objects, progress)
+        for state in self._rank_states():
+            state.put(average_over_holders(state.get(), held.per_rank[state.name] if same_step else None,
+                                           self.device))
+        for technique in self._all:
+            technique.after_sync(held.position, objects, progress, resume_from)
 
-    def _per_rank(self) -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
-        """Each state a rank keeps for itself, as (get, put)."""
-        states: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
-        optimizer = self._optimizer
-        if self.outer is not None and optimizer is not None:
-            states["optimizer"] = (lambda: optimizer.state_dict()["state"],
-                                   lambda state: optimizer.load_state_dict({**optimizer.state_dict(), "state": state}))
-        if isinstance(self.codec, PowerSGD):
-            states["powersgd"] = (self.codec.local_state, self.codec.load_local_state)
-        return states
+    def _rank_states(self) -> list[RankState]:
+        return [state for technique in self._all for state in technique.rank_states(self._optimizer)]
 
     # --- a checkpoint --------------------------------------------------------------------
     def checkpoint_state(self, objects: dict[str, Any], progress: dict[str, Any]
@@ -235,18 +191,15 @@ class Techniques:
         A collective: every rank checkpoints at the same step, and each writes a slice of the
         state, so the parts that differ between ranks are averaged first.
         """
-        if self.outer is not None:
-            states, progress = self.backup.states()  # a run resumes at a sync
-            if progress["step"] == self._last_checkpointed:
-                return None
-            states["model"] = self.outer.model_to_checkpoint(states["model"], states["outer_sync"])
-        elif self.stale is not None:
-            states, progress = self.stale.committed_state(objects, progress)  # a run resumes complete
-            if progress["step"] == self._last_checkpointed:
-                return None
-        else:
+        kept = next((k for t in self._all if (k := t.kept_state(objects, progress)) is not None), None)
+        if kept is None:
             states = {name: state_of(obj) for name, obj in objects.items()}
-        for name, key in self._per_rank_keys():
+        else:
+            states, progress = kept  # a run resumes at a state every rank shares
+            if progress["step"] == self._last_checkpointed:
+                return None
+        for state in self._rank_states():
+            name, key = state.name, state.key
             states[name] = {**states[name], key: average_over_holders(states[name][key], states[name][key],
                                                                       self.device)}
         self._last_checkpointed = progress["step"]
@@ -254,19 +207,15 @@ class Techniques:
 
     def optimizer_shard(self) -> dict[str, Any] | None:
         """A copy of this rank's part of ZeRO's sharded state, for the checkpoint's writer."""
-        sharded = self.zero if self.zero is not None else self.sharded
-        return _copied(sharded.sharded_state_dict()) if sharded is not None else None
+        return next((shard for t in self._all if (shard := t.optimizer_shard()) is not None), None)
 
-    def _per_rank_keys(self) -> list[tuple[str, str]]:
-        """(registered object, key of its state dict) of each state that differs between ranks."""
-        keys = [("optimizer", "state")] if self.outer is not None and self._optimizer is not None else []
-        return keys + ([("powersgd", "error")] if isinstance(self.codec, PowerSGD) else [])
+    # --- a sharded model -----------------------------------------------------------------
+    def on_module_rebuilt(self, told: Callable[[torch.nn.Module], None]) -> None:
+        """Tell `told` of each generation's module where a technique rebuilds it (ZeRO-2/3)."""
+        for technique in self._all:
+            technique.on_module_rebuilt(told)
 
-
-def _copied(value: Any) -> Any:
-    """`value` with every tensor cloned to CPU: a checkpoint is written while training goes on."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
-    return value
+    def set_gradient_sync(self, sync: bool) -> None:
+        """Whether the backward under way syncs the gradients (ZeRO-2/3's FSDP2 needs telling)."""
+        for technique in self._all:
+            technique.set_gradient_sync(sync)

@@ -104,12 +104,11 @@ class DataParallelModel(PreparedModel):
             self.returned.ddp = None  # local SGD: no gradient all-reduce
             return False
         cuda = self._device.type == "cuda"
-        powersgd = self._techniques.strategy.compression_options["kind"] == "powersgd"
-        bucket_cap = {} if cuda or powersgd else {"bucket_cap_mb": GLOO_BUCKET_CAP_MB}
+        bucket_cap = {} if cuda or self._techniques.keeps_torch_buckets else {"bucket_cap_mb": GLOO_BUCKET_CAP_MB}
         # Under overlap_optimizer a bucket's parameters step as its all-reduce lands: their gradients
         # must be views of the bucket, not filled from it after the last bucket.
         ddp = DistributedDataParallel(self.returned.module, device_ids=[self._device.index] if cuda else None,
-                                      init_sync=False, gradient_as_bucket_view=self._techniques.overlap is not None,
+                                      init_sync=False, gradient_as_bucket_view=self._techniques.steps_on_bucket_views,
                                       **bucket_cap)
         if generation.comm_hook is not None:
             ddp.register_comm_hook(*generation.comm_hook)
@@ -145,10 +144,10 @@ class ShardedModel(DataParallelModel):
                  objects: dict[str, Any]) -> None:
         super().__init__(place, techniques, model, objects)
         # Each generation's FSDP2 module replaces the last one as the prepared model's `module`.
-        self._techniques.sharded.on_rebuilt = lambda module: setattr(self.returned, "module", module)
+        self._techniques.on_module_rebuilt(lambda module: setattr(self.returned, "module", module))
 
     def accumulating(self, last: bool) -> AbstractContextManager:
-        self._techniques.sharded.set_requires_gradient_sync(last)
+        self._techniques.set_gradient_sync(last)
         return super().accumulating(last)
 
 

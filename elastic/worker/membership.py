@@ -334,10 +334,10 @@ def _allreduce_hook(membership, bucket):
     `from __future__ import annotations` would make them.
     """
     techniques = membership._techniques
-    future = techniques.codec.all_reduce(bucket, membership._group.gradients.all_reduce)
+    future = techniques.all_reduce(bucket, membership._group.gradients.all_reduce)
     if membership.backward_failed is not None:
         return future.then(functools.partial(_kept_failure, membership.backward_failed, bucket.buffer()))
-    return future if techniques.overlap is None else techniques.overlap.after_reduce(future, bucket)
+    return techniques.after_reduce(future, bucket)
 
 
 def _kept_failure(told: Callable[[str], None], buffer: torch.Tensor, done: torch.futures.Future) -> torch.Tensor:
