@@ -7,12 +7,17 @@ dtype, which every other rank loads in place. A newcomer (step 0) therefore rece
 model, optimizer and data cursor of the live ranks; a survivor that missed the last step
 catches up; nobody reads storage. When every rank already holds the live state of the
 same step (a heal in which no survivor was a step ahead), nothing but the steps is sent.
+
+What is synced is the run's `RunState`: one registry of the run's state holders, each a named
+attribute whose name is also its key in a sync's payload and in a checkpoint, with the kind of
+state it holds (`ENTRIES`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -28,11 +33,93 @@ class SyncResult:
     steps_before: list[int]
 
 
-def sync_state(objects: dict[str, Any], progress: dict[str, Any], device: torch.device,
+StateKind = Literal["replicated", "per-rank", "sharded"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One state holder of the run: `name` is its attribute on `RunState`, its name in a sync's payload
+    and its key in a checkpoint (the checkpoint format: never renamed, or older checkpoints stop loading)."""
+
+    name: str
+    kind: StateKind  # replicated: the same on every rank, sent whole by the sync; see `holds` for the exceptions
+    holds: str
+
+
+# Every state holder elastic registers, in the order a sync and a checkpoint take them; the train
+# loop's own (`ctx.register_state`) come after them, replicated.
+ENTRIES: tuple[Entry, ...] = (
+    Entry("rng", "replicated", "the process's random generators (`elastic.worker.random_state.RandomState`)"),
+    Entry("model", "replicated", "the prepared model's module, or this worker's part of its replica's; under "
+          "ZeRO-2/3 only its buffers (`ShardedBuffers`): the parameters are sharded, moved by ZeRO"),
+    Entry("powersgd", "replicated", "PowerSGD's Qs and iteration; its error buffers are per-rank (`RankState`)"),
+    Entry("stale", "replicated", "stale synchrony's averaged gradients still to apply"),
+    Entry("outer_sync", "replicated", "local SGD's outer optimizer, DiLoCo's, EASGD's center"),
+    Entry("optimizer", "replicated", "the prepared optimizer (an `AwaitedState` until its first step prepares it); "
+          "per-rank under local SGD (its inner state); absent under ZeRO, whose shards are sharded state"),
+    Entry("grad_scaler", "replicated", "fp16's loss scaler"),
+    Entry("data_stream", "replicated", "an iterable dataset's position (`StreamLoader`)"),
+)
+_NAMES = frozenset(entry.name for entry in ENTRIES)
+
+
+class RunState:
+    """What a generation syncs and a checkpoint holds: the run's state holders by name, each one a
+    tensor or anything with `state_dict`/`load_state_dict`. An entry that is None is not held (a
+    technique the run leaves off, a model not prepared yet). Each collaborator sets the entry it
+    makes (`state.model = ...`); the sync and the checkpoint take them all (`items()`).
+    """
+
+    def __init__(self, rng: Any) -> None:
+        self.rng = rng
+        self.model: Any = None
+        self.powersgd: Any = None
+        self.stale: Any = None
+        self.outer_sync: Any = None
+        self.optimizer: Any = None
+        self.grad_scaler: Any = None
+        self.data_stream: Any = None
+        self._registered: dict[str, Any] = {}  # the train loop's own, by the name it gave
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        """(name, holder) of every holder set: elastic's in `ENTRIES`' order, then the train loop's."""
+        for entry in ENTRIES:
+            holder = getattr(self, entry.name)
+            if holder is not None:
+                yield entry.name, holder
+        yield from self._registered.items()
+
+    def names(self) -> set[str]:
+        return {name for name, _ in self.items()}
+
+    def holder(self, name: str) -> Any:
+        """The holder registered as `name` (a name read from a payload or a checkpoint)."""
+        return getattr(self, name) if name in _NAMES else self._registered[name]
+
+    def states(self) -> dict[str, Any]:
+        """Every holder's state, by name."""
+        return {name: state_of(holder) for name, holder in self.items()}
+
+    def register(self, name: str, holder: Any) -> None:
+        """The train loop's own state (`ctx.register_state`), synced and checkpointed like elastic's."""
+        if name in _NAMES or name in self._registered:
+            raise ElasticError(f"state {name!r} is already registered; pick another name (elastic registers 'rng', "
+                               "and 'data_stream' for an iterable dataset's position)")
+        self._registered[name] = holder
+
+    def adopt_optimizer(self, optimizer: Any) -> None:
+        """Register the prepared optimizer, loading the state an `AwaitedState` kept for it, if any came."""
+        awaited, self.optimizer = self.optimizer, optimizer
+        if isinstance(awaited, AwaitedState) and awaited.state:
+            load_into(optimizer, awaited.state)
+
+
+def sync_state(objects: RunState | dict[str, Any], progress: dict[str, Any], device: torch.device,
                holds_state: bool = False, group: dist.ProcessGroup | None = None) -> tuple[SyncResult, dict[str, Any]]:
     """Make every rank hold the state of the most advanced one.
 
-    `objects` maps names to things with `state_dict`/`load_state_dict`, or to tensors.
+    `objects` is the run's `RunState`, or a dict of names to things with `state_dict`/`load_state_dict`,
+    or to tensors.
     `progress` holds plain values and must contain "step". `holds_state` says this rank
     holds the run's live state of that step (it trained in an earlier generation). Returns
     the sync result and the progress every rank now shares. Over `group` (default: WORLD),
@@ -111,7 +198,7 @@ def state_of(obj: Any) -> Any:
 class AwaitedState:
     """Stands in for an object registered later (an optimizer prepared at its first step): keeps
     the state that a sync or a restored checkpoint brings for it meanwhile, which the object takes
-    when it comes (`take_awaited`). Empty, it gives no state, and a peer's object keeps its own."""
+    when it comes (`RunState.adopt_optimizer`). Empty, it gives no state, and a peer's object keeps its own."""
 
     def __init__(self) -> None:
         self.state: dict[str, Any] = {}
@@ -121,14 +208,6 @@ class AwaitedState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.state = state
-
-
-def take_awaited(objects: dict[str, Any], name: str, obj: Any) -> None:
-    """Register `obj` as `name`, loading the state an `AwaitedState` kept for it, if any came."""
-    awaited = objects.get(name)
-    objects[name] = obj
-    if isinstance(awaited, AwaitedState) and awaited.state:
-        load_into(obj, awaited.state)
 
 
 def load_into(obj: Any, state: Any) -> None:

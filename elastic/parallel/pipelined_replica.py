@@ -41,7 +41,7 @@ from torch import nn
 
 from elastic.checkpoint.checkpoint import join_parts
 from elastic.comm.flat_state import reduce_in_place
-from elastic.comm.state_sync import SyncResult, state_of
+from elastic.comm.state_sync import RunState, SyncResult, state_of
 from elastic.data.loader import to_device
 from elastic.errors import ElasticError, UnweightedBackwardError
 from elastic.parallel.pipeline import PipelinedModel
@@ -152,7 +152,7 @@ class PipelinedKind(ReplicaModel):
     # receives in `elastic.comm.generation.wait_p2p`, which the hang probe knows as a wait on peers.
     compute_frames = ComputeFrames(("torch.distributed.pipelining", DTENSOR))
 
-    def __init__(self, place: WorkerPlace, model: nn.Sequential | None, objects: dict[str, Any],
+    def __init__(self, place: WorkerPlace, model: nn.Sequential | None, state: RunState,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, plan: Plan | None,
                  split_points: Sequence[int] | None) -> None:
         super().__init__(place.shape, place.slot, place.device)
@@ -173,7 +173,7 @@ class PipelinedKind(ReplicaModel):
                                          plan=plan, split_points=split_points)
         self.returned.module.to(place.device)  # this stage only: the others' layers are dropped
         self.tensor = self.returned.tensor  # its slices, when its stage is tensor parallel
-        objects["model"] = self.returned
+        state.model = self.returned
 
     def bind(self, generation: Generation) -> None:
         super().bind(generation)
@@ -218,10 +218,10 @@ class PipelinedKind(ReplicaModel):
         return UnweightedBackwardError(f"step {step.index}: the optimizer steps before model.step(batch) ran the "
                                        "replica's batch: call loss = model.step(step.batch()) first")
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, objects: dict[str, Any],
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, state: RunState,
                           current_step: Callable[[], Any]) -> None:
         if self.tensor is not None:
-            adopt(self.tensor, optimizer, objects)  # a stage averages its gradients in model.step
+            adopt(self.tensor, optimizer, state)  # a stage averages its gradients in model.step
 
     def whole_state_dict(self) -> dict[str, torch.Tensor]:
         """The stage's part (its slices joined first, in 3D), then every stage's joined under their layers' names."""

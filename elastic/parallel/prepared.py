@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from elastic.checkpoint.checkpoint import Part
 from elastic.comm.group import GenerationSpec
-from elastic.comm.state_sync import SyncResult
+from elastic.comm.state_sync import RunState, SyncResult
 from elastic.config import Strategy
 from elastic.errors import ElasticError
 from elastic.parallel.replicas import ReplicaShape
@@ -121,9 +121,9 @@ class PreparedModel:
         (None: the micro-batches' own)."""
         return None
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, objects: dict[str, Any],
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, state: RunState,
                           current_step: Callable[[], Any]) -> None:
-        """Register what the kind syncs of `optimizer` in `objects`, and hook its per-step average."""
+        """Register what the kind syncs of `optimizer` on `state`, and hook its per-step average."""
 
     def checkpoint_part(self, replica: int, replicas: int) -> Part | None:
         """The part of a checkpoint this worker writes (None: the whole model, rank 0's)."""

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from elastic.checkpoint.checkpoint import WHOLE, join_parts
 from elastic.comm.flat_state import reduce_in_place
-from elastic.comm.state_sync import SyncResult, state_of, take_awaited
+from elastic.comm.state_sync import RunState, SyncResult, state_of
 from elastic.errors import ElasticError
 from elastic.parallel.prepared import DTENSOR, ComputeFrames, Generation, WorkerPlace
 from elastic.parallel.replica_model import ReplicaModel
@@ -152,10 +152,10 @@ def share_random_state(group: dist.ProcessGroup, random: Any) -> None:
     random.load_state_dict(box[0])
 
 
-def adopt(tensor: TensorParallelReplica, optimizer: torch.optim.Optimizer, objects: dict[str, Any]) -> None:
+def adopt(tensor: TensorParallelReplica, optimizer: torch.optim.Optimizer, state: RunState) -> None:
     """Carry `optimizer` to each generation's module, and sync its state as local slices."""
     tensor.tp.adopt(optimizer)
-    take_awaited(objects, "optimizer", LocalSlices(optimizer))
+    state.adopt_optimizer(LocalSlices(optimizer))
 
 
 def plan_of(model: nn.Module, plan: Plan | None, size: int) -> Plan:
@@ -175,12 +175,12 @@ class TensorParallelKind(ReplicaModel):
 
     compute_frames = ComputeFrames((DTENSOR,))
 
-    def __init__(self, place: WorkerPlace, model: nn.Module, objects: dict[str, Any], plan: Plan | None) -> None:
+    def __init__(self, place: WorkerPlace, model: nn.Module, state: RunState, plan: Plan | None) -> None:
         super().__init__(place.shape, place.slot, place.device)
         plan = plan_of(model, plan, place.shape.tensor_parallel)
         model.to(place.device)
         self.returned = TensorParallelReplica(model, plan, place.shape.tensor_parallel)
-        objects["model"] = self.returned
+        state.model = self.returned
 
     def bind(self, generation: Generation) -> None:
         super().bind(generation)
@@ -194,9 +194,9 @@ class TensorParallelKind(ReplicaModel):
     def after_last_backward(self, step: Any) -> Callable[[], None]:
         return lambda: self.average_step(step)
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, objects: dict[str, Any],
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, state: RunState,
                           current_step: Callable[[], Any]) -> None:
-        adopt(self.returned, optimizer, objects)
+        adopt(self.returned, optimizer, state)
         # The last micro-batch's mb.backward averages; this averages a step whose loop stopped
         # before it, or a replica that got no micro-batch.
         optimizer.register_step_pre_hook(lambda *_: self.average_step(current_step()))

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from elastic.checkpoint.checkpoint import Checkpoint
 from elastic.comm.flat_state import flatten, unflatten
-from elastic.comm.state_sync import load_into, state_of
+from elastic.comm.state_sync import RunState, load_into
 from elastic.config import Strategy
 from elastic.techniques.shard_plan import ShardPosition
 from elastic.techniques.technique import RankState, Run, Technique
@@ -159,8 +159,8 @@ class Backup:
     def __init__(self) -> None:
         self._copy: tuple[Any, dict[str, torch.Tensor]] | None = None
 
-    def take(self, objects: dict[str, Any], progress: dict[str, Any]) -> None:
-        payload = {"progress": progress, "state": {name: state_of(obj) for name, obj in objects.items()}}
+    def take(self, state: RunState, progress: dict[str, Any]) -> None:
+        payload = {"progress": progress, "state": state.states()}
         structure, buffers = flatten(payload, torch.device("cpu"))
         self._copy = (structure, buffers)
 
@@ -173,11 +173,11 @@ class Backup:
         payload = unflatten(*self._copy)
         return payload["state"], payload["progress"]
 
-    def restore(self, objects: dict[str, Any]) -> dict[str, Any]:
+    def restore(self, state: RunState) -> dict[str, Any]:
         """Put every object back as it was at the last sync; returns that sync's progress."""
         states, progress = self.states()
-        for name, obj in objects.items():
-            load_into(obj, states[name])
+        for name, holder in state.items():
+            load_into(holder, states[name])
         return progress
 
 
@@ -198,8 +198,8 @@ class PeriodicSync(Technique):
         options = strategy.sync_options
         return cls(options, run.max_steps) if options.kind in ("local_sgd", "diloco", "easgd") else None
 
-    def prepare_model(self, model: torch.nn.Module, objects: dict[str, Any]) -> None:
-        self._outer = objects["outer_sync"] = OuterSync(self._options, model, self._max_steps)
+    def prepare_model(self, model: torch.nn.Module, state: RunState) -> None:
+        self._outer = state.outer_sync = OuterSync(self._options, model, self._max_steps)
 
     @property
     def acts_between_steps(self) -> bool:
@@ -208,23 +208,23 @@ class PeriodicSync(Technique):
     def sync_due(self, step: int) -> bool:
         return self._outer is not None and self._outer.due(step)
 
-    def sync(self, objects: dict[str, Any], progress: dict[str, Any]) -> None:
+    def sync(self, state: RunState, progress: dict[str, Any]) -> None:
         self._outer.sync(progress["step"])
-        self._backup.take(objects, progress)
+        self._backup.take(state, progress)
 
-    def rewind(self, objects: dict[str, Any], progress: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    def rewind(self, state: RunState, progress: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """Back to the last sync, the only point where the state is the same on every rank (the
         interval is then replayed)."""
         if self._outer is None or self._backup.step in (None, progress["step"]):
             return progress, 0
-        restored = self._backup.restore(objects)
+        restored = self._backup.restore(state)
         return restored, progress["step"] - restored["step"]
 
-    def after_sync(self, position: ShardPosition | None, objects: dict[str, Any], progress: dict[str, Any],
+    def after_sync(self, position: ShardPosition | None, state: RunState, progress: dict[str, Any],
                    resume_from: Checkpoint | None) -> None:
         if self._outer is not None:
             self._outer.start_from_center()  # EASGD: every rank starts the generation from the center
-            self._backup.take(objects, progress)
+            self._backup.take(state, progress)
 
     def rank_states(self, optimizer: torch.optim.Optimizer | None) -> list[RankState]:
         """The inner optimizer's state: each rank stepped it alone since the last sync."""
@@ -233,7 +233,7 @@ class PeriodicSync(Technique):
         return [RankState("optimizer", "state", lambda: optimizer.state_dict()["state"],
                           lambda state: optimizer.load_state_dict({**optimizer.state_dict(), "state": state}))]
 
-    def kept_state(self, objects: dict[str, Any], progress: dict[str, Any]
+    def kept_state(self, state: RunState, progress: dict[str, Any]
                    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """The last sync's state, where a run resumes; under EASGD with the center as the model."""
         if self._outer is None:

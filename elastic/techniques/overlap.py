@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from elastic.comm.state_sync import RunState
 from elastic.config import Strategy
 from elastic.errors import ElasticError
 from elastic.techniques.technique import Run, Technique
@@ -65,7 +66,7 @@ class OptimizerOverlap(Technique):
     def build(cls, strategy: Strategy, run: Run) -> OptimizerOverlap | None:
         return cls() if strategy.overlap_optimizer else None
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, objects: dict[str, Any]) -> torch.optim.Optimizer:
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, state: RunState) -> torch.optim.Optimizer:
         self.adopt(optimizer)
         return optimizer
 

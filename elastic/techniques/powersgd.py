@@ -41,6 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from elastic.comm.state_sync import RunState
 from elastic.config import PowerSGDSpec, Strategy
 from elastic.techniques.technique import Codec, RankState, Run
 
@@ -204,9 +205,9 @@ class PowerSGDCompression(Codec):
         spec = strategy.compression_options
         return cls(spec, run.seed) if isinstance(spec, PowerSGDSpec) else None
 
-    def prepare_model(self, model: torch.nn.Module, objects: dict[str, Any]) -> None:
-        self._powersgd = objects["powersgd"] = PowerSGD(list(model.parameters()), self._spec.rank,
-                                                        self._spec.start_iter, seed=self._seed)
+    def prepare_model(self, model: torch.nn.Module, state: RunState) -> None:
+        self._powersgd = state.powersgd = PowerSGD(list(model.parameters()), self._spec.rank,
+                                                   self._spec.start_iter, seed=self._seed)
 
     def all_reduce(self, bucket: dist.GradBucket,
                    reduce: Callable[[torch.Tensor], torch.futures.Future]) -> torch.futures.Future:

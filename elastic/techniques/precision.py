@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.utils._pytree as pytree
 
+from elastic.comm.state_sync import RunState
 from elastic.config import Strategy
 from elastic.techniques.technique import Run, Technique
 
@@ -48,10 +49,10 @@ class Precision(Technique):
     def build(cls, strategy: Strategy, run: Run) -> Precision:
         return cls(strategy.precision, run.device)
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, objects: dict[str, Any]) -> torch.optim.Optimizer:
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, state: RunState) -> torch.optim.Optimizer:
         """Register fp16's loss scaler as replicated state and wrap the optimizer's step in it."""
         if self.scaler is not None:
-            objects["grad_scaler"] = self.scaler
+            state.grad_scaler = self.scaler
             self.wrap_step(optimizer)
         return optimizer
 

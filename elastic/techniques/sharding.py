@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from elastic.checkpoint.checkpoint import Checkpoint
+from elastic.comm.state_sync import RunState
 from elastic.config import Strategy
 from elastic.techniques.shard_plan import ShardPosition
 from elastic.techniques.technique import Run, Technique
@@ -33,15 +34,15 @@ class ZeRO(Technique):
     def build(cls, strategy: Strategy, run: Run) -> ZeRO | None:
         return cls(strategy.zero, strategy.zero_replicas) if strategy.zero else None
 
-    def prepare_model(self, model: torch.nn.Module, objects: dict[str, Any]) -> None:
+    def prepare_model(self, model: torch.nn.Module, state: RunState) -> None:
         if self._stage < 2:
             return
         from elastic.techniques.fsdp import FullyShardedModel, ShardedBuffers
 
         self._sharded = FullyShardedModel(model, self._stage, self._replicas)
-        objects["model"] = ShardedBuffers(self._sharded)  # the parameters are sharded, not synced whole
+        state.model = ShardedBuffers(self._sharded)  # the parameters are sharded, not synced whole
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, objects: dict[str, Any]) -> torch.optim.Optimizer:
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, state: RunState) -> torch.optim.Optimizer:
         if self._sharded is not None:
             return self._sharded.adopt(optimizer)
         self._optimizer = ShardedOptimizer(optimizer, replicas=self._replicas)
@@ -51,7 +52,7 @@ class ZeRO(Technique):
         holder = self._holder()
         return holder.position if holder is not None else None
 
-    def after_sync(self, position: ShardPosition | None, objects: dict[str, Any], progress: dict[str, Any],
+    def after_sync(self, position: ShardPosition | None, state: RunState, progress: dict[str, Any],
                    resume_from: Checkpoint | None) -> None:
         """Reshard at the synced step; where no rank holds shards, from the checkpoint's pieces."""
         if self._optimizer is not None:

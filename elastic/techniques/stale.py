@@ -44,7 +44,7 @@ import torch
 
 from elastic.checkpoint.checkpoint import Checkpoint
 from elastic.comm.flat_state import flatten, unflatten
-from elastic.comm.state_sync import load_into, state_of
+from elastic.comm.state_sync import RunState, load_into, state_of
 from elastic.config import StaleSpec, Strategy
 from elastic.techniques.shard_plan import ShardPosition
 from elastic.techniques.technique import Run, Technique
@@ -158,12 +158,12 @@ class StaleSync:
         for reduction in self._in_flight:
             reduction.wait()
 
-    def at_boundary(self, objects: dict[str, Any], progress: dict[str, Any]) -> None:
+    def at_boundary(self, state: RunState, progress: dict[str, Any]) -> None:
         """A step boundary: keep what the step that ended left, and move the base up to S steps behind."""
         if self._open is None:
             return  # no step since the last boundary or formation
         step, self._open = self._open, None
-        step.after = flatten(self._rest(objects, progress), torch.device("cpu"))
+        step.after = flatten(self._rest(state, progress), torch.device("cpu"))
         self._taken.append(step)
         while len(self._taken) > self.bound:
             self._advance(self._taken.popleft())
@@ -174,7 +174,7 @@ class StaleSync:
         """Every gradient in flight has arrived: the live state is a complete one."""
         return all(r.future is None for r in self._in_flight)
 
-    def roll_back(self, objects: dict[str, Any], progress: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    def roll_back(self, state: RunState, progress: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """Put the live state back at the base, if it is not complete itself; (the progress to
         sync from, the committed steps undone)."""
         self._open = None
@@ -186,12 +186,12 @@ class StaleSync:
                 live.copy_(kept)
         self._optimizer.load_state_dict(_copied(base.optimizer.state_dict()))
         rest = unflatten(*base.rest)
-        self._load_rest(objects, rest)
+        self._load_rest(state, rest)
         self._in_flight = collections.deque(base.pending)
         self._taken.clear()
         return rest["progress"], progress["step"] - rest["progress"]["step"]
 
-    def rebase(self, objects: dict[str, Any], progress: dict[str, Any]) -> None:
+    def rebase(self, state: RunState, progress: dict[str, Any]) -> None:
         """After a formation's sync: the live state is complete, and becomes the base."""
         self._open = None
         self._taken.clear()
@@ -206,13 +206,13 @@ class StaleSync:
                 kept.copy_(live)
         base.optimizer.load_state_dict(_copied(self._optimizer.state_dict()))
         base.pending = collections.deque(self._in_flight)
-        base.rest = flatten(self._rest(objects, progress), torch.device("cpu"))
+        base.rest = flatten(self._rest(state, progress), torch.device("cpu"))
 
     # --- a checkpoint ---------------------------------------------------------------------
-    def committed_state(self, objects: dict[str, Any], progress: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    def committed_state(self, state: RunState, progress: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """(states, progress) of the newest complete state: the live one if it is, else the base."""
         if self.complete or self._base is None:
-            return {name: state_of(obj) for name, obj in objects.items()}, progress
+            return state.states(), progress
         base = self._base
         rest = unflatten(*base.rest)
         twin = dict(zip(map(id, self.params), base.params))
@@ -243,14 +243,14 @@ class StaleSync:
             self._set_gradients(base.params, None)
         base.rest = step.after
 
-    def _rest(self, objects: dict[str, Any], progress: dict[str, Any]) -> dict[str, Any]:
-        return {"objects": {name: state_of(obj) for name, obj in objects.items() if name not in OWN_OBJECTS},
+    def _rest(self, state: RunState, progress: dict[str, Any]) -> dict[str, Any]:
+        return {"objects": {name: state_of(holder) for name, holder in state.items() if name not in OWN_OBJECTS},
                 "buffers": {name: b.detach() for name, b in self.model.named_buffers()},
                 "hyper": _hyper(self._optimizer), "progress": progress}
 
-    def _load_rest(self, objects: dict[str, Any], rest: dict[str, Any]) -> None:
-        for name, state in rest["objects"].items():
-            load_into(objects[name], state)
+    def _load_rest(self, state: RunState, rest: dict[str, Any]) -> None:
+        for name, kept in rest["objects"].items():
+            load_into(state.holder(name), kept)
         buffers = dict(self.model.named_buffers())
         with torch.no_grad():
             for name, value in rest["buffers"].items():
@@ -281,8 +281,8 @@ class StaleSynchrony(Technique):
         spec = strategy.sync_options
         return cls(spec.bound, run.max_steps) if isinstance(spec, StaleSpec) else None
 
-    def prepare_model(self, model: torch.nn.Module, objects: dict[str, Any]) -> None:
-        self._stale = objects["stale"] = StaleSync(self._bound, model, self._max_steps)
+    def prepare_model(self, model: torch.nn.Module, state: RunState) -> None:
+        self._stale = state.stale = StaleSync(self._bound, model, self._max_steps)
 
     def hook_optimizer(self, optimizer: torch.optim.Optimizer, where: Callable[[], tuple[int, int]],
                        launch: Callable[[torch.Tensor], torch.futures.Future]) -> None:
@@ -293,30 +293,30 @@ class StaleSynchrony(Technique):
     def acts_between_steps(self) -> bool:
         return self._stale is not None
 
-    def at_boundary(self, objects: dict[str, Any], progress: Any) -> None:
+    def at_boundary(self, state: RunState, progress: Any) -> None:
         """Keep what the step left, S steps behind."""
         if self._stale is not None:
-            self._stale.at_boundary(objects, progress.to_dict())
+            self._stale.at_boundary(state, progress.to_dict())
 
     def drain(self) -> None:
         if self._stale is not None:
             self._stale.drain()
 
-    def rewind(self, objects: dict[str, Any], progress: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    def rewind(self, state: RunState, progress: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """Back to the complete state S steps behind, where gradients were still in flight."""
         if self._stale is None:
             return progress, 0
-        return self._stale.roll_back(objects, progress)
+        return self._stale.roll_back(state, progress)
 
-    def after_sync(self, position: ShardPosition | None, objects: dict[str, Any], progress: dict[str, Any],
+    def after_sync(self, position: ShardPosition | None, state: RunState, progress: dict[str, Any],
                    resume_from: Checkpoint | None) -> None:
         if self._stale is not None:
-            self._stale.rebase(objects, progress)
+            self._stale.rebase(state, progress)
 
-    def kept_state(self, objects: dict[str, Any], progress: dict[str, Any]
+    def kept_state(self, state: RunState, progress: dict[str, Any]
                    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """The newest complete state, where a run resumes."""
-        return self._stale.committed_state(objects, progress) if self._stale is not None else None
+        return self._stale.committed_state(state, progress) if self._stale is not None else None
 
     @property
     def bytes_sent(self) -> int:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.checkpoint.checkpoint import Checkpoint
-from elastic.comm.state_sync import average_over_holders, state_of, take_awaited
+from elastic.comm.state_sync import RunState, average_over_holders
 from elastic.config import Strategy
 from elastic.techniques.compression import GradientCompression
 from elastic.techniques.local_sgd import PeriodicSync
@@ -75,19 +75,19 @@ class Techniques:
         self._last_checkpointed = -1
 
     # --- preparing ----------------------------------------------------------------------
-    def prepare_model(self, model: torch.nn.Module, objects: dict[str, Any]) -> None:
-        """Create what works on `model`, registering its replicated state in `objects`."""
+    def prepare_model(self, model: torch.nn.Module, state: RunState) -> None:
+        """Create what works on `model`, setting its replicated state on `state`."""
         self._gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         for technique in self._all:
-            technique.prepare_model(model, objects)
+            technique.prepare_model(model, state)
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, objects: dict[str, Any]) -> torch.optim.Optimizer:
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, state: RunState) -> torch.optim.Optimizer:
         """The optimizer the train loop steps: under ZeRO one around `optimizer`, whose state is sharded
         rather than registered."""
         if not any(t.shards_optimizer for t in self._all):
-            take_awaited(objects, "optimizer", optimizer)
+            state.adopt_optimizer(optimizer)
         for technique in self._all:
-            optimizer = technique.prepare_optimizer(optimizer, objects)
+            optimizer = technique.prepare_optimizer(optimizer, state)
         self._optimizer = optimizer
         return optimizer
 
@@ -136,16 +136,16 @@ class Techniques:
     def sync_due(self, step: int) -> bool:
         return any(t.sync_due(step) for t in self._all)
 
-    def outer_sync(self, objects: dict[str, Any], progress: dict[str, Any]) -> None:
+    def outer_sync(self, state: RunState, progress: dict[str, Any]) -> None:
         """The periodic syncs due after committed step `progress["step"]`; raises if a peer died in one."""
         for technique in self._all:
             if technique.sync_due(progress["step"]):
-                technique.sync(objects, progress)
+                technique.sync(state, progress)
 
-    def at_boundary(self, objects: dict[str, Any], progress: Any) -> None:
+    def at_boundary(self, state: RunState, progress: Any) -> None:
         """A step boundary (`progress`: the run's `Progress`)."""
         for technique in self._all:
-            technique.at_boundary(objects, progress)
+            technique.at_boundary(state, progress)
 
     def drain(self) -> None:
         """Before a planned switch: wait for what is in flight; raises if a peer died."""
@@ -157,49 +157,48 @@ class Techniques:
                 "outer_syncs": sum(t.syncs for t in self._all)}
 
     # --- a formation ---------------------------------------------------------------------
-    def before_sync(self, objects: dict[str, Any], progress: dict[str, Any], holds_state: bool) -> Held:
+    def before_sync(self, state: RunState, progress: dict[str, Any], holds_state: bool) -> Held:
         """Take what this rank holds, after going back to a state every holder shares (local SGD: its
         last sync; stale synchrony: its complete state)."""
         self.failed()  # a step that failed in the old generation is redone in the new one
         rolled_back = 0
         if holds_state:
             for technique in self._all:
-                progress, undone = technique.rewind(objects, progress)
+                progress, undone = technique.rewind(state, progress)
                 rolled_back += undone
         position = next((p for t in self._all if (p := t.position()) is not None), None) if holds_state else None
-        return Held(progress, rolled_back, {state.name: state.get() for state in self._rank_states()}, position)
+        return Held(progress, rolled_back, {own.name: own.get() for own in self._rank_states()}, position)
 
-    def after_sync(self, held: Held, objects: dict[str, Any], progress: dict[str, Any], holds_state: bool,
+    def after_sync(self, held: Held, state: RunState, progress: dict[str, Any], holds_state: bool,
                    resume_from: Checkpoint | None) -> None:
         """Average per-rank state over its holders, then rebind each technique at the synced step
         (`progress`); collectives every rank of the generation calls."""
         same_step = holds_state and held.progress["step"] == progress["step"]
-        for state in self._rank_states():
-            state.put(average_over_holders(state.get(), held.per_rank[state.name] if same_step else None,
-                                           self.device))
+        for own in self._rank_states():
+            own.put(average_over_holders(own.get(), held.per_rank[own.name] if same_step else None, self.device))
         for technique in self._all:
-            technique.after_sync(held.position, objects, progress, resume_from)
+            technique.after_sync(held.position, state, progress, resume_from)
 
     def _rank_states(self) -> list[RankState]:
         return [state for technique in self._all for state in technique.rank_states(self._optimizer)]
 
     # --- a checkpoint --------------------------------------------------------------------
-    def checkpoint_state(self, objects: dict[str, Any], progress: dict[str, Any]
+    def checkpoint_state(self, state: RunState, progress: dict[str, Any]
                          ) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """(states, progress) to checkpoint now, or None if nothing new is to be kept.
 
         A collective: every rank checkpoints at the same step, and each writes a slice of the
         state, so the parts that differ between ranks are averaged first.
         """
-        kept = next((k for t in self._all if (k := t.kept_state(objects, progress)) is not None), None)
+        kept = next((k for t in self._all if (k := t.kept_state(state, progress)) is not None), None)
         if kept is None:
-            states = {name: state_of(obj) for name, obj in objects.items()}
+            states = state.states()
         else:
             states, progress = kept  # a run resumes at a state every rank shares
             if progress["step"] == self._last_checkpointed:
                 return None
-        for state in self._rank_states():
-            name, key = state.name, state.key
+        for own in self._rank_states():
+            name, key = own.name, own.key
             states[name] = {**states[name], key: average_over_holders(states[name][key], states[name][key],
                                                                       self.device)}
         self._last_checkpointed = progress["step"]

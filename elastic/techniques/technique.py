@@ -20,7 +20,7 @@ The points, and what the flags say (each read once the Strategy is known, unless
 - a formation (rebinding to a new group): back to a state every holder shares (`rewind`),
   what the rank holds of a sharded state (`position`), and the rebind after the replicated sync
   (`after_sync`);
-- its state by kind: replicated (registered in `objects` by `prepare_model`), per rank
+- its state by kind: replicated (set on the run's `RunState` by `prepare_model`), per rank
   (`rank_states`, averaged over the ranks that held it), sharded (`optimizer_shard`), and the
   state a checkpoint keeps where it is not the live one (`kept_state`);
 - what it sent (`bytes_sent`, `syncs`).
@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.checkpoint.checkpoint import Checkpoint
+from elastic.comm.state_sync import RunState
 from elastic.config import Strategy
 from elastic.techniques.shard_plan import ShardPosition
 
@@ -76,10 +77,10 @@ class Technique:
         raise NotImplementedError
 
     # --- preparing ----------------------------------------------------------------------
-    def prepare_model(self, model: torch.nn.Module, objects: dict[str, Any]) -> None:
-        """Create what works on `model`, registering its replicated state in `objects`."""
+    def prepare_model(self, model: torch.nn.Module, state: RunState) -> None:
+        """Create what works on `model`, setting its replicated state on `state`."""
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, objects: dict[str, Any]) -> torch.optim.Optimizer:
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, state: RunState) -> torch.optim.Optimizer:
         """The optimizer the train loop steps, given the one the techniques before this one made."""
         return optimizer
 
@@ -107,17 +108,17 @@ class Technique:
     def sync_due(self, step: int) -> bool:
         return False
 
-    def sync(self, objects: dict[str, Any], progress: dict[str, Any]) -> None:
+    def sync(self, state: RunState, progress: dict[str, Any]) -> None:
         """The periodic sync after committed step `progress["step"]`; raises if a peer died in it."""
 
-    def at_boundary(self, objects: dict[str, Any], progress: Any) -> None:
+    def at_boundary(self, state: RunState, progress: Any) -> None:
         """A step boundary (`progress`: the run's `Progress`)."""
 
     def drain(self) -> None:
         """Before a planned switch: finish what is in flight; raises if a peer died."""
 
     # --- a formation ------------------------------------------------------------------------
-    def rewind(self, objects: dict[str, Any], progress: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    def rewind(self, state: RunState, progress: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """Before the replicated sync, on a rank that holds state: go back to a state every holder shares;
         (the progress to sync from, the committed steps undone)."""
         return progress, 0
@@ -126,7 +127,7 @@ class Technique:
         """The sharded state this rank holds, to rebind from."""
         return None
 
-    def after_sync(self, position: ShardPosition | None, objects: dict[str, Any], progress: dict[str, Any],
+    def after_sync(self, position: ShardPosition | None, state: RunState, progress: dict[str, Any],
                    resume_from: Checkpoint | None) -> None:
         """Rebind to the new generation at the synced step (`progress`); a collective of its ranks.
         `position`: what this rank held, None where it held nothing usable."""
@@ -136,7 +137,7 @@ class Technique:
         """The states this rank keeps for itself (`optimizer`: the prepared one, if any)."""
         return []
 
-    def kept_state(self, objects: dict[str, Any], progress: dict[str, Any]
+    def kept_state(self, state: RunState, progress: dict[str, Any]
                    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """(states, progress) a checkpoint keeps in place of the live ones, or None to keep the live ones."""
         return None

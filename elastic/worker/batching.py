@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from elastic.comm.state_sync import RunState
 from elastic.config import DataConfig
 from elastic.data import order as data_math
 from elastic.data.loader import Loader, open_loader, to_device
@@ -32,7 +33,7 @@ from elastic.worker.step import MicroBatch, Step
 
 
 class MicroBatching:
-    """The run's loader, and each step's share of it in (micro-)batches."""
+    """The run's loader, and each step's share of it in (micro-)batches: the `StepBatches` a `Step` takes them from."""
 
     def __init__(self, data_config: DataConfig, shape: ReplicaShape, device: torch.device, faults: FaultInjector,
                  techniques: Techniques, probe: HangProbe, model: Callable[[], PreparedModel]) -> None:
@@ -44,20 +45,21 @@ class MicroBatching:
         self._probe = probe
         self._model = model
         self.loader: Loader | StreamLoader | None = None
+        self._where = (-1, 0, 0)  # (generation, data-parallel peers, this worker's replica): see `_peers`
 
     def whole_shares(self, data_config: DataConfig) -> None:
         """Serve each step's share of `data_config`'s global batch as one micro-batch, whatever the
         world size (Ray Train's loop shape, where each batch of the loop is a whole step)."""
         self._data_config = data_config.model_copy(update={"micro_batch_size": data_config.global_batch_size})
 
-    def open(self, dataset: Any, objects: dict[str, Any]) -> Loader | StreamLoader:
+    def open(self, dataset: Any, state: RunState) -> Loader | StreamLoader:
         if self._data_config.micro_batch_size is None:  # DataConfig's default: the whole share in one pass
             self.whole_shares(self._data_config)
         self.loader = open_loader(dataset, self._data_config, pin_memory=self._device.type == "cuda")
         if self._model().needs_full_steps and isinstance(self.loader, Loader):
             self._check_full_steps(self.loader.num_samples)
         if isinstance(self.loader, StreamLoader):
-            objects["data_stream"] = self.loader  # its position is synced and checkpointed
+            state.data_stream = self.loader  # its position is synced and checkpointed
         return self.loader
 
     def _check_full_steps(self, samples: int) -> None:
@@ -69,10 +71,17 @@ class MicroBatching:
                 f"of global_batch_size({global_batch}), which the replicas cannot cut into equal micro-batches: set "
                 "DataConfig(drop_last=True), or give a dataset of a multiple of global_batch_size samples")
 
+    def _peers(self, step: Step) -> tuple[int, int]:
+        """(the data-parallel peers, this worker's replica among them) in `step`'s generation: worked
+        out once a generation, from the run's shape and the generation's rank and world size."""
+        if self._where[0] != step.generation:
+            replica = self._shape.position(step.rank).replica
+            self._where = (step.generation, step.world_size // self._shape.size, replica)
+        return self._where[1], self._where[2]
+
     def _share(self, step: Step) -> list[data_math.Loaded]:
         """This worker's share of `step`: its replica's, which every worker of a replica computes on."""
-        loaded = self.loader.step(step.cursor, step.world_size // self._shape.size,
-                                  self._shape.position(step.rank).replica)
+        loaded = self.loader.step(step.cursor, *self._peers(step))
         if self._faults.slow_extra_s:
             time.sleep(self._faults.slow_extra_s)  # an injected straggler
         return loaded
@@ -80,7 +89,7 @@ class MicroBatching:
     def micro_batches(self, step: Step) -> Iterator[MicroBatch]:
         model = self._model()
         model.check_micro_batches()
-        peers = step.world_size // self._shape.size
+        peers = self._peers(step)[0]
         with phase("elastic.data"):
             loaded = self._share(step)
         for i, micro in enumerate(loaded):

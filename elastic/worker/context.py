@@ -37,7 +37,7 @@ from elastic.comm.collectives import Collectives
 from elastic.comm.generation import peer_failed
 from elastic.comm.group import GenerationSpec
 from elastic.comm.links import GroupLinks
-from elastic.comm.state_sync import AwaitedState, state_of
+from elastic.comm.state_sync import AwaitedState, RunState
 from elastic.config import CheckpointConfig, DataConfig, Strategy
 from elastic.data.loader import to_device
 from elastic.errors import ElasticError
@@ -140,12 +140,11 @@ class TrainContext(ReplicaCoordinates):
         self.shape = shape  # workers per replica; in a run of replicas the replica is the elastic unit
         self.slot = slot  # this worker's place in its replica, for its whole life
         self._random = RandomState()
-        self._objects: dict[str, Any] = {"rng": self._random}
+        self._state = RunState(self._random)  # what a generation syncs and a checkpoint holds
         self._place = WorkerPlace(shape, slot, self.device, strategy)
         # The run's kind of prepared model, holding no model until prepare_model.
-        self._prepared = prepare(self._place, self.techniques, None, self._objects)
+        self._prepared = prepare(self._place, self.techniques, None, self._state)
         self._progress = Progress(seed=data_config.seed)
-        self._inside_step = False  # between a step's __enter__ and __exit__
         self.entered_steps = False  # whether the train loop iterated steps()
         self._steps_ended = False  # the run's last step committed here: final checkpoint and model taken
         # steps() offered a step: this worker trains in the run's last generation, whose every member
@@ -157,18 +156,17 @@ class TrainContext(ReplicaCoordinates):
         self.loader_steps: LoaderSteps | None = None  # Ray Train's loop shape (`prepare_data_loader`)
         self._collectives: Collectives | None = None  # the train loop's, for the current generation
         self.probe = HangProbe(self.techniques, lambda: self._prepared.compute_frames)
-        self.membership = Membership(mailbox, self.faults, self.techniques, self._objects, self._random,
-                                     self._progress, self.probe, self.device, shape, lambda: self._prepared)
-        self.snapshots = Snapshots(checkpoint_config, writer, self.techniques, self._objects, self._progress,
-                                   self.faults, self.probe, self.membership, lambda: self._prepared, self.device,
-                                   latest_checkpoint)
+        prepared = lambda: self._prepared  # noqa: E731  (prepare_model replaces it)
+        self.membership = Membership(mailbox, place=self._place, state=self._state, progress=self._progress,
+                                     model=prepared, techniques=self.techniques, faults=self.faults, probe=self.probe)
+        self.snapshots = Snapshots(checkpoint_config, writer, state=self._state, progress=self._progress,
+                                   membership=self.membership, model=prepared, techniques=self.techniques,
+                                   faults=self.faults, latest_checkpoint=latest_checkpoint)
         self.batching = MicroBatching(data_config, shape, self.device, self.faults, self.techniques, self.probe,
-                                      lambda: self._prepared)
-        self.stepping = Stepping(self._progress, self.techniques, self._random, self.faults, self.membership,
-                                 self.batching, report_sink)
-        # What a step calls back into (`StepOwner`), and what the worker's control thread calls.
-        self._micro_batches, self._one_batch = self.batching.micro_batches, self.batching.batch
-        self._end_step = self.stepping.end
+                                      prepared)
+        self.stepping = Stepping(self._progress, self.batching, self.techniques, self._random, self.faults,
+                                 report_sink)
+        # What the worker's control thread calls.
         self.abort_stale_group = self.membership.abort_stale_group
         self.final_model: dict[str, torch.Tensor] | None = None  # rank 0's: the whole model once max_steps ran
 
@@ -217,7 +215,7 @@ class TrainContext(ReplicaCoordinates):
         """
         if self._prepared.returned is not None:
             raise ElasticError("prepare_model() was called twice; elastic syncs one model per run")
-        self._prepared = prepare(self._place, self.techniques, model, self._objects, loss_fn, **options)
+        self._prepared = prepare(self._place, self.techniques, model, self._state, loss_fn, **options)
         returned = self._prepared.returned
         if isinstance(returned, torch.nn.Module):  # the data-parallel kinds, which the loop calls itself
             self.stepping.model = returned
@@ -331,9 +329,9 @@ class TrainContext(ReplicaCoordinates):
         """
         if self.stepping.optimizer is not None:
             raise ElasticError("prepare_optimizer() was called twice; elastic syncs one optimizer per run")
-        optimizer = self.stepping.optimizer = self.techniques.prepare_optimizer(optimizer, self._objects)
+        optimizer = self.stepping.optimizer = self.techniques.prepare_optimizer(optimizer, self._state)
         optimizer.register_step_pre_hook(lambda *_: self.batching.check_weighted(self.stepping.current))
-        self._prepared.prepare_optimizer(optimizer, self._objects, lambda: self.stepping.current)
+        self._prepared.prepare_optimizer(optimizer, self._state, lambda: self.stepping.current)
         self.techniques.hook_optimizer(optimizer, lambda: (self.step, self.world_size), self.membership.launch_average)
         optimizer.register_step_post_hook(lambda *_: self.stepping.commit())
         if self.loader_steps is not None:
@@ -359,12 +357,12 @@ class TrainContext(ReplicaCoordinates):
         """Guard collectives called outside `with step` (an evaluation loop): a peer's death in
         them heals, as in a step, instead of failing the run. Run the block again while
         `block.failed` is set, to have its result at the new world size."""
-        if self._inside_step:
+        if self.stepping.inside_step:
             raise ElasticError("ctx.between_steps() is used inside `with step`, which heals a peer's death itself "
                                "(and must not move to a new generation halfway through a step); use it outside the step")
         if self.spec is None:
             raise ElasticError("ctx.between_steps() is used before ctx.steps() formed the first generation")
-        return BetweenSteps(self)
+        return BetweenSteps(lambda: self._join(reason="heal"))
 
     @property
     def communication(self) -> dict[str, int]:
@@ -376,7 +374,7 @@ class TrainContext(ReplicaCoordinates):
     def synced_state(self) -> dict[str, Any]:
         """The state of everything a heal or a grow syncs (model, optimizer, registered state,
         the technique's), by name: the same on every rank of a generation."""
-        return {name: state_of(obj) for name, obj in self._objects.items()}
+        return self._state.states()
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole prepared model's state dict, on the CPU, on every rank: in any layout, the
@@ -386,17 +384,14 @@ class TrainContext(ReplicaCoordinates):
         same point of the loop. ZeRO-2/3's parameter shards are gathered (every rank takes part
         in each gather), and a replica's parts joined, each kind its own way (`whole_state_dict`).
         """
-        if self._objects.get("model") is None:
+        if self._state.model is None:
             raise ElasticError("ctx.model_state_dict() gives the prepared model's state: call ctx.prepare_model(model) "
                                "first")
         return self._prepared.whole_state_dict()
 
     def register_state(self, name: str, obj: Any) -> None:
         """Sync another stateful object (a tensor, or anything with state_dict/load_state_dict)."""
-        if name in self._objects or name == "data_stream":
-            raise ElasticError(f"state {name!r} is already registered; pick another name (elastic registers "
-                               "'rng', and 'data_stream' for an iterable dataset's position)")
-        self._objects[name] = obj
+        self._state.register(name, obj)
 
     def add_checkpoint_file(self, name: str, data: bytes) -> None:
         """Store `data` as file `name` in every checkpoint from now on; read it with Checkpoint.read_file."""
@@ -441,14 +436,14 @@ class TrainContext(ReplicaCoordinates):
                 f"global_batch_size={self.data_config.global_batch_size}, max_steps={max_steps}): it serves each rank "
                 "its share of a fixed global batch and ends at max_steps. A loop over elastic.prepare_data_loader(loader) "
                 "needs neither, as in Ray Train (docs/habits.md)")
-        loader = self.batching.open(dataset, self._objects)
+        loader = self.batching.open(dataset, self._state)
         self.entered_steps = True
         self.probe.train_thread = threading.get_ident()
         if self.stepping.optimizer is None:
             register_optimizer_step_pre_hook(self._prepare_when_stepped)
             # What the join syncs (or restores) for it waits until then: a newcomer's optimizer
             # takes its peers' momentum, a resumed run's its checkpoint's.
-            self._objects["optimizer"] = AwaitedState()
+            self._state.optimizer = AwaitedState()
         self._join(reason="start")
         # The steady path runs this loop's body once a step, right after the step's compute has
         # pushed it out of the caches: every call in it costs several times its warm cost.
@@ -456,15 +451,17 @@ class TrainContext(ReplicaCoordinates):
         techniques, faults, random_state, stepping = self.techniques, self.faults, self._random, self.stepping
         heal_in_check = lambda: self._join(reason="heal", lost=0)  # noqa: E731
         acts_between_steps = techniques.acts_between_steps  # settled by prepare_model, before the steps
+        checkpointing = snapshots.config.enabled  # without a schedule, nothing to check between steps
         while max_steps is None or progress.step < max_steps:
-            if snapshots.read_flag(heal=heal_in_check):
+            if checkpointing and snapshots.read_flag(heal=heal_in_check):
                 snapshots.take()
             spec = membership.spec  # the generation this rank is in, formed by the join above
             if mailbox.at_boundary(progress.step, spec.generation) is not None:
                 if self._healed_unless(techniques.drain):
                     self._join(reason="rescale")
                 continue
-            faults.at("step_start", spec.rank, progress.step, stepping.compute_s)
+            if faults.armed:
+                faults.at("step_start", spec.rank, progress.step, stepping.compute_s)
             random_state.mark()
             progress.cursor = loader.settle(progress.cursor)
             step = Step(self, spec, progress.step, progress.cursor, loader.step_samples(progress.cursor))
@@ -482,10 +479,11 @@ class TrainContext(ReplicaCoordinates):
                 continue
             if acts_between_steps:
                 if techniques.sync_due(progress.step) and not self._healed_unless(
-                        lambda: techniques.outer_sync(self._objects, progress.to_dict())):
+                        lambda: techniques.outer_sync(self._state, progress.to_dict())):
                     continue
-                techniques.at_boundary(self._objects, progress)
-            snapshots.after_step(max_steps)
+                techniques.at_boundary(self._state, progress)
+            if checkpointing:
+                snapshots.after_step(max_steps)
         self._end_steps()
 
     def end_loop(self) -> None:
@@ -514,7 +512,8 @@ class TrainContext(ReplicaCoordinates):
             self.snapshots.final()
         self._keep_final_model()
         self.batching.loader.close()
-        self.snapshots.wait_for_writer()
+        with self.probe.waiting_on_checkpoint():  # the hang check counts the uploads' wait as progress
+            self.snapshots.wait_for_writer()
         if self.model_called is False and self._committed_here:
             self._warn("model_never_trained",
                        f"the model prepare_model() returned was never called inside a step on rank {self.rank}: "
@@ -523,7 +522,7 @@ class TrainContext(ReplicaCoordinates):
 
     def _keep_final_model(self) -> None:
         """Once the last step committed, rank 0 keeps the whole model (`Result.model_state_dict()`)."""
-        if "model" not in self._objects:
+        if self._state.model is None:
             return
         try:
             whole = self.model_state_dict()

@@ -18,6 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic.comm.generation import peer_failed
+from elastic.comm.state_sync import RunState
 from elastic.parallel.prepared import DTENSOR, ComputeFrames, Generation, WorkerPlace, PreparedModel
 from elastic.techniques.strategy import Techniques
 from elastic.worker.phases import phase
@@ -86,7 +87,7 @@ class DataParallelModel(PreparedModel):
     """One whole copy of the model per rank, its gradients averaged by DDP (none yet before prepare_model)."""
 
     def __init__(self, place: WorkerPlace, techniques: Techniques, model: torch.nn.Module | None,
-                 objects: dict[str, Any]) -> None:
+                 state: RunState) -> None:
         self._techniques = techniques
         self._device = place.device
         self._inside: torch.utils.hooks.RemovableHandle | None = None  # the faults' hook in this generation
@@ -94,8 +95,8 @@ class DataParallelModel(PreparedModel):
         if model is not None:
             model.to(place.device)
             self.returned = ElasticDDP(techniques, model)
-            objects["model"] = model
-            techniques.prepare_model(model, objects)
+            state.model = model
+            techniques.prepare_model(model, state)
 
     def start(self, generation: Generation) -> bool:
         if self.returned is None:
@@ -141,8 +142,8 @@ class ShardedModel(DataParallelModel):
     compute_frames = ComputeFrames((DTENSOR,))  # its parameters are DTensors
 
     def __init__(self, place: WorkerPlace, techniques: Techniques, model: torch.nn.Module,
-                 objects: dict[str, Any]) -> None:
-        super().__init__(place, techniques, model, objects)
+                 state: RunState) -> None:
+        super().__init__(place, techniques, model, state)
         # Each generation's FSDP2 module replaces the last one as the prepared model's `module`.
         self._techniques.on_module_rebuilt(lambda module: setattr(self.returned, "module", module))
 

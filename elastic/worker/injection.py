@@ -12,7 +12,8 @@ The train context calls `FaultInjector.at(point, rank, step)` at a few named poi
 
 A fault fires once per `fit()`: the first rank to meet it claims it through the run's store
 (`claim`), which also tells the controller. Faults of other points never slow these calls:
-`at` returns at once when no fault is due there.
+`at` returns at once when no fault is due there, and a run without faults (`armed` False) does
+not call the points of every step.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _KINDS_AT = {
 class FaultInjector:
     def __init__(self, faults: list[Fault], claim: Callable[[Fault], bool]) -> None:
         self.faults = faults
+        self.armed = bool(faults)  # False: the per-step points (step_start, allreduce) are not called at all
         self._claim = claim
         self.slow_extra_s = 0.0  # added to each step by a `slow` fault, from its firing on
 

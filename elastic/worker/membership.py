@@ -38,17 +38,15 @@ from elastic.comm import generation as generations
 from elastic.comm.generation import GenerationGroup, peer_failed
 from elastic.comm.hierarchical import HierarchicalAllReduce, fits
 from elastic.comm.links import GroupLinks
-from elastic.comm.state_sync import AwaitedState, SyncResult, load_into, sync_state
+from elastic.comm.state_sync import AwaitedState, RunState, SyncResult, load_into, sync_state
 from elastic.data.order import DataCursor
 from elastic.errors import StateLostError, WorkerEvictedError
 from elastic.faults import Fault
-from elastic.parallel.prepared import Generation, PreparedModel
-from elastic.parallel.replicas import ReplicaShape
+from elastic.parallel.prepared import Generation, PreparedModel, WorkerPlace
 from elastic.techniques.strategy import Techniques
 from elastic.worker.injection import FaultInjector
 from elastic.worker.mailbox import GenerationMailbox
 from elastic.worker.probe import HangProbe
-from elastic.worker.random_state import RandomState
 
 _log = logging.getLogger(__name__)
 
@@ -78,19 +76,19 @@ class Progress:
 class Membership:
     """This worker's generation: its spec, groups and connections, and how it moves to the next."""
 
-    def __init__(self, mailbox: GenerationMailbox, faults: FaultInjector, techniques: Techniques,
-                 objects: dict[str, Any], random: RandomState, progress: Progress, probe: HangProbe,
-                 device: torch.device, shape: ReplicaShape, model: Callable[[], PreparedModel]) -> None:
+    def __init__(self, mailbox: GenerationMailbox, *, place: WorkerPlace, state: RunState, progress: Progress,
+                 model: Callable[[], PreparedModel], techniques: Techniques, faults: FaultInjector,
+                 probe: HangProbe) -> None:
+        """`place`: this worker's place in its replica and its device; `state` and `progress`: what a
+        formation syncs or restores; `model`: the prepared model of the moment, which a formation binds."""
         self.mailbox = mailbox
-        self._faults = faults
-        self._techniques = techniques
-        self._objects = objects
-        self._random = random
+        self._place = place
+        self._state = state
         self._progress = progress
-        self._probe = probe
-        self._device = device
-        self._shape = shape
         self._model = model
+        self._techniques = techniques
+        self._faults = faults
+        self._probe = probe
         self.spec: GenerationSpec | None = None
         self._store = StoreClient()
         self._group: GenerationGroup | None = None  # what the current generation connected
@@ -118,11 +116,16 @@ class Membership:
 
     @property
     def num_replicas(self) -> int:
-        return self.world_size // self._shape.size
+        return self.world_size // self._place.shape.size
 
     @property
     def replica_rank(self) -> int:
-        return self._shape.position(self.rank).replica
+        return self._place.shape.position(self.rank).replica
+
+    @property
+    def device(self) -> torch.device:
+        """Where this worker computes, and the generation's collectives run (on NCCL, its GPU)."""
+        return self._place.device
 
     @property
     def links(self) -> tuple[int, GroupLinks] | None:
@@ -202,8 +205,8 @@ class Membership:
             return None
         self._faults.at("connect", spec.rank, self._progress.step)
         arrived = time.perf_counter()
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         model = self._model()
         hierarchy: list[HierarchicalAllReduce] = []
 
@@ -240,17 +243,17 @@ class Membership:
             # restores the checkpoint, or everyone starts over from step 0, and the sync below
             # spreads its state.
             progress.restart()
-            if spec.resume_from is not None and spec.rank < self._shape.size:
+            if spec.resume_from is not None and spec.rank < self._place.shape.size:
                 self._restore(spec.resume_from, model.part_name)
         holds_state = self._holds_state and not spec.restart
-        held = self._techniques.before_sync(self._objects, progress.to_dict(), holds_state)
+        held = self._techniques.before_sync(self._state, progress.to_dict(), holds_state)
         self._rolled_back = held.rolled_back
         # A replica's worker syncs with the same place of the other replicas only.
-        sync, synced = sync_state(self._objects, held.progress, self._device, holds_state, self._data_group)
-        self._last_sync = model.synced(sync, synced["step"], self._random)
+        sync, synced = sync_state(self._state, held.progress, self.device, holds_state, self._data_group)
+        self._last_sync = model.synced(sync, synced["step"], self._state.rng)
         self._holds_state = True
         progress.load(synced)
-        self._techniques.after_sync(held, self._objects, synced, holds_state,
+        self._techniques.after_sync(held, self._state, synced, holds_state,
                                     spec.resume_from if spec.restart else None)
         self._probe.hooked = model.start(generation)
         self._probe.formed()
@@ -263,18 +266,18 @@ class Membership:
         state = checkpoint.load_state(part)
         # Checkpoints written before the RNG states were synced resume with this rank's streams.
         # (An AwaitedState stands for an optimizer not prepared yet: a checkpoint without one leaves it fresh.)
-        missing = sorted(name for name in set(self._objects) - set(state) - {"progress", "rng"}
-                         if not isinstance(self._objects[name], AwaitedState))
+        missing = sorted(name for name, holder in self._state.items()
+                         if name not in state and name != "rng" and not isinstance(holder, AwaitedState))
         if missing:
             raise CheckpointError(
                 f"{checkpoint.path} holds no state for {missing} (it has {sorted(set(state) - {'progress'})}); "
                 "register the same state as the run that wrote it, or use a new run name"
             )
-        for name, obj in self._objects.items():
+        for name, holder in self._state.items():
             if name not in state:
                 continue
             try:
-                load_into(obj, state[name])
+                load_into(holder, state[name])
             except (RuntimeError, ValueError, KeyError) as exc:
                 raise CheckpointError(
                     f"{checkpoint.path} does not fit the registered {name!r}: {exc}. Resume with the same "
@@ -297,12 +300,14 @@ class Membership:
         """Inside DDP's gradient all-reduce of a step, on its own path (`Generation.inside_all_reduce`):
         the faults injected there, then the count the hang check compares (a rank hung in its backward
         never counts it, while its peers, done computing, wait in the all-reduce)."""
-        self._faults.at("allreduce", self.rank, self._progress.step)
+        if self._faults.armed:
+            self._faults.at("allreduce", self.rank, self._progress.step)
         self._probe.launched += 1
 
     def _average(self, flat: torch.Tensor) -> None:
         """Sum a flat gradient buffer across the replicas, abortable like DDP's all-reduce."""
-        self._faults.at("allreduce", self.rank, self._progress.step)
+        if self._faults.armed:
+            self._faults.at("allreduce", self.rank, self._progress.step)
         self.launch_average(flat).wait()
 
     def launch_average(self, flat: torch.Tensor) -> torch.futures.Future:

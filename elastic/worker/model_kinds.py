@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from elastic.comm.state_sync import RunState
 from elastic.errors import ElasticError
 from elastic.parallel.prepared import WorkerPlace, PreparedModel
 from elastic.parallel.replica_model import ReplicaModel
@@ -18,10 +19,10 @@ from elastic.techniques.strategy import Techniques
 from elastic.worker.data_parallel import DataParallelModel, ShardedModel
 
 
-def prepare(place: WorkerPlace, techniques: Techniques, model: torch.nn.Module | None, objects: dict[str, Any],
+def prepare(place: WorkerPlace, techniques: Techniques, model: torch.nn.Module | None, state: RunState,
             loss_fn: Callable | None = None, tensor_parallel_plan: Any = None,
             split_points: Sequence[int] | None = None) -> PreparedModel:
-    """The prepared model of this run's kind, holding `model`, whose synced state it registers in `objects`
+    """The prepared model of this run's kind, holding `model`, whose synced state it sets on `state`
     (`ctx.prepare_model(model, loss_fn, **options)`). Before prepare_model (`model` None) the kind holds no
     model but forms the same groups and cuts the same batches. Torch's pipelining and DTensor take seconds
     to import: only the runs of a kind import its module.
@@ -43,14 +44,14 @@ def prepare(place: WorkerPlace, techniques: Techniques, model: torch.nn.Module |
                            "only in a pipelined run (ScalingConfig(pipeline_stages > 1))")
     if shape.pipeline_stages > 1:
         from elastic.parallel.pipelined_replica import PipelinedKind
-        return PipelinedKind(place, model, objects, loss_fn, tensor_parallel_plan, split_points)
+        return PipelinedKind(place, model, state, loss_fn, tensor_parallel_plan, split_points)
     if model is None:
         return ReplicaModel(shape, place.slot, place.device) if shape.size > 1 else \
-            DataParallelModel(place, techniques, None, objects)
+            DataParallelModel(place, techniques, None, state)
     if shape.tensor_parallel > 1:
         from elastic.parallel.tensor_parallel_replica import TensorParallelKind
-        return TensorParallelKind(place, model, objects, tensor_parallel_plan)
+        return TensorParallelKind(place, model, state, tensor_parallel_plan)
     if loss_fn is not None:
         raise ElasticError("prepare_model(model, loss_fn) takes a loss_fn only in a pipelined run "
                            "(ScalingConfig(pipeline_stages > 1)); compute the loss in the train loop instead")
-    return (ShardedModel if place.strategy.zero >= 2 else DataParallelModel)(place, techniques, model, objects)
+    return (ShardedModel if place.strategy.zero >= 2 else DataParallelModel)(place, techniques, model, state)

@@ -24,13 +24,13 @@ from elastic.checkpoint import reported
 from elastic.checkpoint.checkpoint import Checkpoint, CheckpointWriter, take_snapshot
 from elastic.checkpoint.host_buffers import HostBuffers
 from elastic.comm.generation import peer_failed
+from elastic.comm.state_sync import RunState
 from elastic.config import CheckpointConfig
 from elastic.errors import ElasticError
 from elastic.parallel.prepared import PreparedModel
 from elastic.techniques.strategy import Techniques
 from elastic.worker.injection import FaultInjector, die
 from elastic.worker.membership import Membership, Progress
-from elastic.worker.probe import HangProbe
 
 # Steps between the boundary all-reduces that agree on time-based checkpoints (only runs with
 # CheckpointConfig(every_s) launch them). The step index decides, so every rank checks at the
@@ -41,22 +41,22 @@ AGREEMENT_EVERY_STEPS = 8
 class Snapshots:
     """This worker's checkpoint schedule, the pending timed-checkpoint flag, and the files rank 0 adds."""
 
-    def __init__(self, config: CheckpointConfig, writer: CheckpointWriter | None, techniques: Techniques,
-                 objects: dict[str, Any], progress: Progress, faults: FaultInjector, probe: HangProbe,
-                 membership: Membership, model: Callable[[], PreparedModel], device: torch.device,
+    def __init__(self, config: CheckpointConfig, writer: CheckpointWriter | None, *, state: RunState,
+                 progress: Progress, membership: Membership, model: Callable[[], PreparedModel],
+                 techniques: Techniques, faults: FaultInjector,
                  latest_checkpoint: Callable[[], Checkpoint | None]) -> None:
+        """`state` and `progress`: what a snapshot copies; `membership` and `model`: the generation and the
+        part this rank writes; `latest_checkpoint` asks the controller (for the directory rank 0 reported)."""
         if config.enabled and writer is None:
             raise ElasticError("a checkpoint schedule needs a CheckpointWriter")
         self.config = config
         self._writer = writer
-        self._techniques = techniques
-        self._objects = objects
+        self._state = state
         self._progress = progress
-        self._faults = faults
-        self._probe = probe
         self._membership = membership
         self._model = model
-        self._device = device
+        self._techniques = techniques
+        self._faults = faults
         self._latest_checkpoint = latest_checkpoint  # asks the controller
         self._files: dict[str, bytes] = {}
         self._metadata: dict[str, Any] = {}
@@ -102,7 +102,8 @@ class Snapshots:
         boundary, so all ranks snapshot the same step while training never waits for the check.
         """
         timer_due = time.monotonic() - self._last_checkpoint >= self.config.every_s
-        flag = torch.tensor([int(timer_due)], dtype=torch.int64, device=self._device)
+        # On the device the generation's collectives run on (NCCL's: the GPU).
+        flag = torch.tensor([int(timer_due)], dtype=torch.int64, device=self._membership.device)
         self._flag = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
 
     def drop_flag(self) -> None:
@@ -127,7 +128,7 @@ class Snapshots:
     def take(self) -> None:
         """Snapshot to CPU (training waits only for this copy) and write the shard in the background."""
         started = time.perf_counter()
-        kept = self._techniques.checkpoint_state(self._objects, self._progress.to_dict())
+        kept = self._techniques.checkpoint_state(self._state, self._progress.to_dict())
         if kept is None:
             return  # local SGD has not synced since the last checkpoint: nothing new to keep
         self._taken_step = self._progress.step
@@ -151,9 +152,6 @@ class Snapshots:
         self._last_checkpoint = time.monotonic()
 
     def wait_for_writer(self) -> None:
-        """Wait for the uploads still under way (at the end of the run); the hang check counts
-        this as progress."""
-        if self._writer is None:
-            return
-        with self._probe.waiting_on_checkpoint():
+        """Wait for the uploads still under way (at the end of the run)."""
+        if self._writer is not None:
             self._writer.wait()

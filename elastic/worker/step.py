@@ -1,8 +1,9 @@
 """What the train loop holds in one step: the `Step` (`with step:` heals a lost peer), its
 `MicroBatch`es (`mb.backward` weights the loss) and a block of the loop's own collectives
-between steps (`BetweenSteps`). Each calls back into the `TrainContext` that made it, which owns
-the generation: `StepOwner` names what they call, so this module needs nothing of
-`elastic.worker.context`.
+between steps (`BetweenSteps`). A step takes its batches from the worker's `MicroBatching` and
+ends through its `Stepping`, both held by the step's maker, the `TrainContext`: `StepOwner` names
+what a step calls (`StepBatches`, `StepEnd`), so this module needs nothing of the modules that
+implement them.
 """
 
 from __future__ import annotations
@@ -21,19 +22,27 @@ from elastic.worker.phases import phase
 
 
 
+class StepBatches(Protocol):
+    """Where a `Step` takes its share of the global batch (the worker's `MicroBatching`)."""
+
+    def micro_batches(self, step: Step) -> Iterator[MicroBatch]: ...
+
+    def batch(self, step: Step) -> Any: ...
+
+
+class StepEnd(Protocol):
+    """What ends a `Step` (the worker's `Stepping`): its commit, or its rollback when a peer's failure ended it."""
+
+    inside_step: bool  # between a step's __enter__ and __exit__
+
+    def end(self, step: Step, exc: BaseException | None) -> bool: ...
+
+
 class StepOwner(Protocol):
-    """What a `Step` and a `BetweenSteps` block call back into: the
-    `TrainContext`, which owns the generation they run in."""
+    """What makes a `Step`: the `TrainContext`, which holds the step's batching and its stepping."""
 
-    _inside_step: bool  # between a step's __enter__ and __exit__
-
-    def _micro_batches(self, step: Step) -> Iterator[MicroBatch]: ...
-
-    def _one_batch(self, step: Step) -> Any: ...
-
-    def _end_step(self, step: Step, exc: BaseException | None) -> bool: ...
-
-    def _join(self, reason: str, lost: int = 0) -> None: ...
+    batching: StepBatches
+    stepping: StepEnd
 
 
 @dataclass
@@ -73,7 +82,8 @@ class Step:
 
     def __init__(self, ctx: StepOwner, spec: GenerationSpec, index: int, cursor: data_math.DataCursor,
                  samples: int) -> None:
-        self._ctx = ctx
+        self._batches = ctx.batching
+        self._end = ctx.stepping
         self.index = index
         self.cursor = cursor
         self.samples = samples  # in the whole step, across ranks
@@ -93,34 +103,34 @@ class Step:
 
     def micro_batches(self) -> Iterator[MicroBatch]:
         """This rank's share of the global batch, in micro-batches; gradients sync on the last one."""
-        return self._ctx._micro_batches(self)
+        return self._batches.micro_batches(self)
 
     def batch(self) -> Any:
         """This worker's replica's share of this step as one batch, for a prepared model that cuts
         it into micro-batches itself (`model.step(batch)`)."""
-        batch = self._ctx._one_batch(self)
+        batch = self._batches.batch(self)
         self.given += 1
         return batch
 
     def __enter__(self) -> "Step":
         self.entered = True
-        self._ctx._inside_step = True
+        self._end.inside_step = True
         self.started = time.perf_counter()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        self._ctx._inside_step = False
-        return self._ctx._end_step(self, exc)
+        self._end.inside_step = False
+        return self._end.end(self, exc)
 
 
 class BetweenSteps:
     """A block of the train loop's own collectives outside `with step` (an evaluation, say):
     `with ctx.between_steps() as block:`. A peer's death inside it ends the block, this rank
-    joins the healed generation at once, and `block.failed` holds the error; any other
+    joins the healed generation at once (`heal`), and `block.failed` holds the error; any other
     exception passes through."""
 
-    def __init__(self, ctx: StepOwner) -> None:
-        self._ctx = ctx
+    def __init__(self, heal: Callable[[], None]) -> None:
+        self._heal = heal
         self.failed: str | None = None
 
     def __enter__(self) -> "BetweenSteps":
@@ -131,5 +141,5 @@ class BetweenSteps:
             return False
         # Keep the message, not the exception: its traceback would keep the old group alive.
         self.failed = f"{type(exc).__name__}: {exc}"
-        self._ctx._join(reason="heal")
+        self._heal()
         return True

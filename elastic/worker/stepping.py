@@ -20,7 +20,7 @@ from elastic.comm.generation import peer_failed
 from elastic.techniques.strategy import Techniques
 from elastic.worker.batching import MicroBatching
 from elastic.worker.injection import FaultInjector
-from elastic.worker.membership import Membership, Progress
+from elastic.worker.membership import Progress
 from elastic.worker.phases import phase
 from elastic.worker.random_state import RandomState
 from elastic.worker.step import Step
@@ -29,19 +29,18 @@ _log = logging.getLogger(__name__)
 
 
 class Stepping:
-    """The step being run, and what commits or rolls it back."""
+    """The step being run, and what commits or rolls it back: the `StepEnd` every `Step` calls."""
 
-    def __init__(self, progress: Progress, techniques: Techniques, random: RandomState, faults: FaultInjector,
-                 membership: Membership, batching: MicroBatching,
-                 report_sink: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, progress: Progress, batching: MicroBatching, techniques: Techniques, random: RandomState,
+                 faults: FaultInjector, report_sink: Callable[[dict[str, Any]], None]) -> None:
         self._progress = progress
+        self._batching = batching
         self._techniques = techniques
         self._random = random
         self._faults = faults
-        self._membership = membership
-        self._batching = batching
         self._report_sink = report_sink
         self.current: Step | None = None  # the step the train loop holds
+        self.inside_step = False  # between its __enter__ and __exit__
         self.optimizer: torch.optim.Optimizer | None = None
         self.model: torch.nn.Module | None = None  # the prepared model, where the loop calls it
         self.compute_s = 0.0  # the last step's own compute, for the faults that slow a rank
