@@ -5,7 +5,7 @@ many seconds) may call for a checkpoint. Training waits only for the snapshot's 
 CPU; the `CheckpointWriter` uploads it in the background, one checkpoint at a time, and a store
 that stalls holds only the writer (a newer snapshot replaces one still waiting to upload). A timed
 checkpoint must be taken at the same step by every rank: each boundary all-reduce (`launch_flag`)
-carries whether a rank's timer ran out, and is read at a later boundary (`read_flag`), so the
+carries whether a rank's timer ran out, and is read at the next boundary (`read_flag`), so the
 ranks agree without ever waiting on the check. `Snapshots` also holds what rank 0 adds to every
 checkpoint: the train loop's files and metadata, and the directory it reported last.
 """
