@@ -89,9 +89,6 @@ class RunState:
                 yield entry.name, holder
         yield from self._registered.items()
 
-    def names(self) -> set[str]:
-        return {name for name, _ in self.items()}
-
     def holder(self, name: str) -> Any:
         """The holder registered as `name` (a name read from a payload or a checkpoint)."""
         return getattr(self, name) if name in _NAMES else self._registered[name]

@@ -254,7 +254,7 @@ class TrainContext(ReplicaCoordinates):
         self.loader_steps = LoaderSteps(lambda: self.steps(dataset), dataset, getattr(loader, "batch_size", None),
                                         self.data_config, lambda: self.stepping.optimizer is not None,
                                         self._loops_go_on, self._end_steps)
-        self.membership.backward_failed = self._backward_failed
+        self.membership.backward_failed = self._keep_failure_on_step
         if isinstance(self._prepared.returned, torch.nn.Module):
             self._fit_to_loader_steps(self._prepared.returned)
         if self.stepping.optimizer is not None:
@@ -305,9 +305,11 @@ class TrainContext(ReplicaCoordinates):
         and a peer's failure in its forward fails the step instead of the loop."""
         model.register_forward_hook(lambda module, args, output: self.loader_steps.weigh(output))
         if isinstance(model, ElasticDDP):
-            model.forward_failed = self._backward_failed
+            model.forward_failed = self._keep_failure_on_step
 
-    def _backward_failed(self, why: str) -> None:
+    def _keep_failure_on_step(self, why: str) -> None:
+        """Ray Train's loop shape: a peer's failure in DDP's forward or in the backward's all-reduce
+        fails the current step instead of raising into the loop; the next batch heals."""
         step = self.stepping.current
         if step is not None and step.failed is None:
             step.failed = why

@@ -49,7 +49,7 @@ class ElasticDDP(torch.nn.Module):
         self._techniques = techniques
         self.ddp: DistributedDataParallel | None = None
         # Ray Train's loop shape sets it: a peer's failure in DDP's forward is kept on the step
-        # (`TrainContext._backward_failed`), as one in the backward's all-reduce is.
+        # (`TrainContext._keep_failure_on_step`), as one in the backward's all-reduce is.
         self.forward_failed: Callable[[str], None] | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
