@@ -13,6 +13,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from elastic.comm.state_sync import RunState
 from elastic.config import (COMBINATIONS, DiLoCoSpec, PowerSGDSpec, StaleSpec, Strategy, parse_compression,
                             parse_sync)
 from elastic.techniques.strategy import TECHNIQUES, Techniques
@@ -104,6 +105,32 @@ def test_what_the_worker_asks_of_the_techniques_follows_from_the_strategy():
     assert asked(zero=2) == (True, False, False, False, False)
     assert asked(sync="local_sgd:every=4") == (True, False, False, False, False)
     assert asked(sync="stale:bound=0") == (True, False, False, False, False)
+
+
+def test_the_per_step_hooks_go_only_to_the_techniques_that_act_there():
+    def acting(**fields):
+        techniques = Techniques(Strategy(**fields), torch.device("cpu"), max_steps=10, seed=0)
+        return [[type(t).__name__ for t in hooked] for hooked in (
+            techniques._after_reduce, techniques._committed, techniques._failed, techniques._at_boundary,
+            techniques._set_gradient_sync)]
+
+    assert acting() == [[], [], [], [], []]  # a plain DDP step calls no technique
+    assert acting(overlap_optimizer=True) == [["OptimizerOverlap"], ["OptimizerOverlap"], ["OptimizerOverlap"], [], []]
+    assert acting(compression="powersgd:rank=2")[1:3] == [["PowerSGDCompression"], ["PowerSGDCompression"]]
+    assert acting(sync="stale:bound=2")[3] == ["StaleSynchrony"]
+    assert acting(zero=3)[4] == ["ZeRO"]
+
+
+def test_the_bytes_counted_for_steps_ddp_synced_without_the_hook_are_each_steps_gradients():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    model[1].bias.requires_grad_(False)  # a frozen parameter sends nothing
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    plain = Techniques(Strategy(), torch.device("cpu"), max_steps=10, seed=0)
+    plain.prepare_model(model, RunState(rng=None))
+    assert plain.communication(unhooked_syncs=3) == {"sync_bytes": 3 * gradient_bytes, "outer_syncs": 0}
+    local = Techniques(Strategy(sync="local_sgd:every=4"), torch.device("cpu"), max_steps=10, seed=0)
+    local.prepare_model(model, RunState(rng=None))
+    assert local.communication(unhooked_syncs=3)["sync_bytes"] == 0  # local SGD steps alone: no DDP
 
 
 def test_every_technique_is_a_plug_in_built_by_its_own_module():

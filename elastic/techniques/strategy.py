@@ -6,7 +6,8 @@ at the points `TrainContext` calls in at: preparing the model and the optimizer,
 sync, a step's commit or failure, a step boundary and a planned switch, a formation (before and
 after the replicated sync, where per-rank state is averaged over the ranks that held it), and a
 checkpoint (which state is written, with per-rank state averaged so that every rank's slice fits
-the others'). Adding a technique: its module, and its line in `TECHNIQUES`.
+the others'). Adding a technique: its module, its line in `TECHNIQUES`, and its knob and refusals
+beside the `Strategy` (`elastic.config.COMBINATIONS`).
 """
 
 from __future__ import annotations
@@ -69,9 +70,15 @@ class Techniques:
         self.hooks_gradients = any(t.hooks_gradients for t in self._all)
         self.keeps_torch_buckets = any(t.keeps_torch_buckets for t in self._all)
         self.steps_on_bucket_views = any(t.steps_on_bucket_views for t in self._all)
+        # The hooks called at every step and bucket go only to the techniques that act there: a
+        # step of a run with none of them calls none (the no-op base hooks cost a call each).
+        self._after_reduce = _acting(self._all, Technique.after_reduce)
+        self._committed = _acting(self._all, Technique.committed)
+        self._failed = _acting(self._all, Technique.failed)
+        self._at_boundary = _acting(self._all, Technique.at_boundary)
+        self._set_gradient_sync = _acting(self._all, Technique.set_gradient_sync)
         self._optimizer: torch.optim.Optimizer | None = None
         self._gradient_bytes = 0  # what one step's gradient sync hands to DDP's all-reduce
-        self._unhooked_bytes = 0  # ... summed over the steps DDP synced without the hook
         self._last_checkpointed = -1
 
     # --- preparing ----------------------------------------------------------------------
@@ -115,23 +122,18 @@ class Techniques:
 
     def after_reduce(self, future: torch.futures.Future, bucket: dist.GradBucket) -> torch.futures.Future:
         """What the bucket does once reduced: the overlapped optimizer steps its parameters."""
-        for technique in self._all:
+        for technique in self._after_reduce:
             future = technique.after_reduce(future, bucket)
         return future
 
     def committed(self) -> None:
-        for technique in self._all:
+        for technique in self._committed:
             technique.committed()
 
     def failed(self) -> None:
         """The step in flight failed and will be redone."""
-        for technique in self._all:
+        for technique in self._failed:
             technique.failed()
-
-    def count_unhooked_sync(self) -> None:
-        """DDP synced a step's gradients without the hook: it sends each gradient once."""
-        if not self.replaces_ddp:
-            self._unhooked_bytes += self._gradient_bytes
 
     def sync_due(self, step: int) -> bool:
         return any(t.sync_due(step) for t in self._all)
@@ -144,7 +146,7 @@ class Techniques:
 
     def at_boundary(self, state: RunState, progress: Any) -> None:
         """A step boundary (`progress`: the run's `Progress`)."""
-        for technique in self._all:
+        for technique in self._at_boundary:
             technique.at_boundary(state, progress)
 
     def drain(self) -> None:
@@ -152,8 +154,11 @@ class Techniques:
         for technique in self._all:
             technique.drain()
 
-    def communication(self) -> dict[str, int]:
-        return {"sync_bytes": self._unhooked_bytes + sum(t.bytes_sent for t in self._all),
+    def communication(self, unhooked_syncs: int) -> dict[str, int]:
+        """What the run's syncs sent; `unhooked_syncs`: the steps whose gradients DDP all-reduced without
+        the run's hook (each sends every gradient once)."""
+        unhooked_bytes = 0 if self.replaces_ddp else unhooked_syncs * self._gradient_bytes
+        return {"sync_bytes": unhooked_bytes + sum(t.bytes_sent for t in self._all),
                 "outer_syncs": sum(t.syncs for t in self._all)}
 
     # --- a formation ---------------------------------------------------------------------
@@ -216,5 +221,10 @@ class Techniques:
 
     def set_gradient_sync(self, sync: bool) -> None:
         """Whether the backward under way syncs the gradients (ZeRO-2/3's FSDP2 needs telling)."""
-        for technique in self._all:
+        for technique in self._set_gradient_sync:
             technique.set_gradient_sync(sync)
+
+
+def _acting(techniques: list[Technique], hook: Callable) -> list[Technique]:
+    """The techniques whose class overrides `hook`, a no-op of `Technique`."""
+    return [t for t in techniques if getattr(type(t), hook.__name__) is not hook]

@@ -155,7 +155,7 @@ class TrainContext(ReplicaCoordinates):
         self.model_called: bool | None = None
         self.loader_steps: LoaderSteps | None = None  # Ray Train's loop shape (`prepare_data_loader`)
         self._collectives: Collectives | None = None  # the train loop's, for the current generation
-        self.probe = HangProbe(self.techniques, lambda: self._prepared.compute_frames)
+        self.probe = HangProbe(lambda: self._prepared.compute_frames)
         prepared = lambda: self._prepared  # noqa: E731  (prepare_model replaces it)
         self.membership = Membership(mailbox, place=self._place, state=self._state, progress=self._progress,
                                      model=prepared, techniques=self.techniques, faults=self.faults, probe=self.probe)
@@ -371,7 +371,8 @@ class TrainContext(ReplicaCoordinates):
         """What this rank sent to keep the replicas in step so far: `sync_bytes` handed to DDP's
         gradient all-reduce (after compression) or to local SGD's syncs, `outer_syncs`, and
         `hierarchical_all_reduces`, the all-reduces summed within each node first (`Strategy(all_reduce)`)."""
-        return {**self.techniques.communication(), "hierarchical_all_reduces": self.membership.hierarchical_all_reduces}
+        return {**self.techniques.communication(self.probe.unhooked_syncs),
+                "hierarchical_all_reduces": self.membership.hierarchical_all_reduces}
 
     def synced_state(self) -> dict[str, Any]:
         """The state of everything a heal or a grow syncs (model, optimizer, registered state,

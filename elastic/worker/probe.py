@@ -24,7 +24,6 @@ _P2P_WAIT = wait_p2p.__code__
 
 if TYPE_CHECKING:
     from elastic.parallel.prepared import ComputeFrames
-    from elastic.techniques.strategy import Techniques
     from elastic.worker.step import Step
 
 
@@ -32,11 +31,11 @@ class HangProbe:
     """The train thread's progress counts, written by it and read from any thread. `compute_frames`
     gives the prepared model's torch.distributed frames that are compute, not a wait on peers."""
 
-    def __init__(self, techniques: Techniques, compute_frames: Callable[[], ComputeFrames]) -> None:
-        self._techniques = techniques
+    def __init__(self, compute_frames: Callable[[], ComputeFrames]) -> None:
         self._compute_frames = compute_frames
         self.launched = 0  # gradient all-reduces launched in this generation
         self.entered_sync = 0  # steps whose gradient-syncing backward started in this generation
+        self.unhooked_syncs = 0  # steps of the run whose gradients DDP all-reduced without the run's hook
         self.arrived = -1  # the newest generation whose barrier this rank reached
         self.connected = -1  # the newest generation whose groups this rank connected
         self.train_thread: int | None = None
@@ -51,7 +50,7 @@ class HangProbe:
         """
         self.entered_sync += 1
         if not self.hooked:
-            self._techniques.count_unhooked_sync()
+            self.unhooked_syncs += 1
         if step.compute_s is None:
             step.compute_s = time.perf_counter() - step.started
 
