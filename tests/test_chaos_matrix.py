@@ -45,7 +45,9 @@ class Pace:
 
 # Long enough past the latest fault (step 16) and the grows it is held for (fit_held).
 FAST = Pace(max_steps=8 * STEPS_PER_EPOCH, compute_s=0.0, hang_floor_s=2.0)
-SLOW = Pace(max_steps=8 * STEPS_PER_EPOCH, compute_s=0.25, hang_floor_s=1.0)
+# Five epochs: after the newcomer gate at step 6, 34 slow steps (8.5 s) for the outside kill of the
+# newcomer and the heal after it; the soak cells' faults land by step 12.
+SLOW = Pace(max_steps=5 * STEPS_PER_EPOCH, compute_s=0.25, hang_floor_s=1.0)
 SOAK = Pace(max_steps=3 * STEPS_PER_EPOCH, compute_s=3.0, hang_floor_s=10.0)
 
 

@@ -108,6 +108,9 @@ def test_training_continues_on_the_rest_when_a_node_with_half_the_workers_is_rem
     assert dead == {m["worker_id"] for m in full["members"] if m["node"] == node_b.node_id}
 
 HIERARCHICAL_STEPS = 6 * STEPS_PER_EPOCH
+# The kill at step 10 and a few steps after: the run waits for the replacement (min_workers=2), so
+# where it lands is decided before step 11; steps after that show nothing more.
+AVOID_STEPS = 16
 
 
 def _all_reduce_run(all_reduce: str, folder, name: str):
@@ -229,14 +232,14 @@ def test_new_workers_avoid_a_node_where_workers_keep_failing(cluster, tmp_path):
     cluster.add_node(num_cpus=2)  # room elsewhere, so the replacement has somewhere else to go
     trainer = ElasticTrainer(
         regression_loop,
-        train_loop_config={"max_steps": MAX_STEPS // 2},
+        train_loop_config={"max_steps": AVOID_STEPS},
         # min_workers=2: the run waits for the replacement, so where it lands is always seen.
         scaling_config=ScalingConfig(min_workers=2, max_workers=2),
         run_config=RunConfig(
             name="avoid-node", storage_path=str(tmp_path),
             failure_config=FailureConfig(node_failure_limit=1, node_cooldown_s=600),
         ),
-        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=MAX_STEPS // 2),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=AVOID_STEPS),
         faults=[Fault(kind="kill", rank=0, step=10)],
         show_progress=False,
     )

@@ -38,6 +38,10 @@ def test_a_user_exception_fails_the_run_with_its_rank_and_remote_traceback(local
     assert "regression_loop" in caught.value.traceback and "ValueError" in caught.value.traceback
 
 
+# The suite's time on 2 cores: tests/test_protocol.py's application-error test counts a second
+# error past max_failures=1 as the run's failure, and through Ray the run below heals an error
+# within max_failures and the worded one fails at max_failures=0.
+@pytest.mark.soak
 def test_a_user_exception_is_retried_no_more_than_max_failures(local_ray, tmp_path):
     # Rank 1 keeps failing from step 5 on, so the worker that replaces it fails too.
     trainer = _trainer(
@@ -107,12 +111,12 @@ def test_waiting_below_min_workers_times_out_with_a_clear_message(local_ray, tmp
     ray.get(hog.ready.remote())
     try:
         trainer = _trainer(
-            tmp_path, "starved", ScalingConfig(min_workers=2, max_workers=2), FailureConfig(capacity_timeout_s=8)
+            tmp_path, "starved", ScalingConfig(min_workers=2, max_workers=2), FailureConfig(capacity_timeout_s=3)
         )
         # The one worker that fits counts once it is ready: on a loaded machine its start can
-        # outlast the 8 s, so the count may still be 0. The rest of the message is fixed.
+        # outlast the 3 s, so the count may still be 0. The rest of the message is fixed.
         with pytest.raises(CapacityTimeoutError, match=r"only [01] of min_workers\(2\) workers could run for "
-                           r"FailureConfig\(capacity_timeout_s=8.0\); each worker needs \{'CPU': 1.0\}\. "
+                           r"FailureConfig\(capacity_timeout_s=3.0\); each worker needs \{'CPU': 1.0\}\. "
                            r"Add capacity or lower min_workers\."):
             trainer.fit()
     finally:
@@ -147,6 +151,10 @@ def test_a_collective_with_mismatched_shapes_fails_the_run_as_an_application_err
         trainer.fit()
 
 
+# The suite's time on 2 cores: tests/test_protocol.py's warm-spare test has the spare join in the
+# heal itself, transition by transition, and tests/test_ray_train_port.py heals with a warm spare
+# through Ray to the fault-free end.
+@pytest.mark.soak
 def test_a_warm_spare_takes_a_dead_members_place_in_the_heal_itself(local_ray, tmp_path):
     # Training is held at step 5 until the spare has started, so the kill at step 10 finds
     # it warm however slowly this machine starts actors.

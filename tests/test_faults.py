@@ -40,17 +40,6 @@ def _exactly_once(result):
     return bool((ledger == 1).all())
 
 
-def test_a_rank_hung_in_the_all_reduce_is_found_by_the_deadline_killed_and_healed_around(local_ray, tmp_path):
-    failure = FailureConfig(hang_floor_s=1.0, hang_factor=10)
-    result = _fit(tmp_path, "hang", [Fault(kind="hang", rank=1, step=12)], failure)
-    [hung] = result.events_of("worker_failed")
-    assert hung["kind"] == "hang" and hung["rank"] == 1
-    assert hung["detect_s"] > hung["deadline_s"] >= 1.0  # the deadline came from the floor, not 30 minutes
-    heal = next(e for e in result.events_of("generation_formed") if e["time"] > hung["time"])
-    assert (heal["kind"], heal["world_size"]) == ("heal", 1), "the survivor did not heal around the hung rank"
-    assert result.step == MAX_STEPS and _exactly_once(result)
-
-
 class LateReports:
     """A gate's condition: once the survivor healed around the worker the controller gave up on,
     send what that worker's report thread and checkpoint writer would send late (a cut-off
@@ -75,10 +64,30 @@ class LateReports:
         return any(e["type"] == "fenced" for e in events)
 
 
-def test_what_a_worker_given_up_on_sends_later_is_refused_and_journaled(local_ray, tmp_path):
+@pytest.fixture(scope="module")
+def hung_run(local_ray, tmp_path_factory):
+    """One run for the hang and for what the worker given up on sends later: rank 1 hangs in the
+    all-reduce of step 12, and the loop is held after step 20, past the heal, until the late
+    reports were sent in its name and refused (`LateReports`)."""
     failure = FailureConfig(hang_floor_s=1.0, hang_factor=10)
     late = LateReports("late")
-    result = _fit(tmp_path, "late", [Fault(kind="hang", rank=1, step=12)], failure, hold=(20, late))
+    result = _fit(tmp_path_factory.mktemp("late"), "late", [Fault(kind="hang", rank=1, step=12)], failure,
+                  hold=(20, late))
+    return late, result
+
+
+def test_a_rank_hung_in_the_all_reduce_is_found_by_the_deadline_killed_and_healed_around(hung_run):
+    _, result = hung_run
+    [hung] = result.events_of("worker_failed")
+    assert hung["kind"] == "hang" and hung["rank"] == 1
+    assert hung["detect_s"] > hung["deadline_s"] >= 1.0  # the deadline came from the floor, not 30 minutes
+    heal = next(e for e in result.events_of("generation_formed") if e["time"] > hung["time"])
+    assert (heal["kind"], heal["world_size"]) == ("heal", 1), "the survivor did not heal around the hung rank"
+    assert result.step == MAX_STEPS and _exactly_once(result)
+
+
+def test_what_a_worker_given_up_on_sends_later_is_refused_and_journaled(hung_run):
+    late, result = hung_run
     [hung] = result.events_of("worker_failed")
     assert late.step_after < LateReports.LATE_STEP, "a late report of a worker given up on counted"
     fenced = result.events_of("fenced")

@@ -2,8 +2,9 @@
 
 Twenty steady steps run under `torch.cuda.set_sync_debug_mode("error")`, which raises at any
 call that makes the host wait for the device; the loop itself makes none (it reads no loss), so
-an error names a call of elastic's, and fails the run with its traceback. Skipped without CUDA;
-`sh tests/gpu_check.sh` runs it where there is a GPU.
+an error names a call of elastic's, and fails the run with its traceback. Two checkpoints fall in
+them: a snapshot queues its copies to the pinned host buffers without waiting (part 2). Skipped
+without CUDA; `sh tests/gpu_check.sh` runs it where there is a GPU.
 """
 
 import sys
@@ -13,7 +14,9 @@ import ray
 import torch
 
 import elastic
-from elastic import DataConfig, ElasticTrainer, RunConfig, ScalingConfig
+from elastic import CheckpointConfig, DataConfig, ElasticTrainer, RunConfig, ScalingConfig
+from elastic.checkpoint.checkpoint import take_snapshot
+from elastic.checkpoint.host_buffers import HostBuffers
 from workloads import GLOBAL_BATCH, build_mlp, regression_data
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -48,11 +51,34 @@ def test_a_steady_step_on_a_gpu_makes_the_host_wait_for_the_device_nowhere(tmp_p
     result = ElasticTrainer(
         watched_loop,
         scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
-        run_config=RunConfig(name="gpu-steady", storage_path=str(tmp_path)),
+        run_config=RunConfig(name="gpu-steady", storage_path=str(tmp_path),
+                             checkpoint_config=CheckpointConfig(every_steps=10)),
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=WARMUP + WATCHED + 2),
         show_progress=False,
     ).fit()
     assert result.value["device"].startswith("cuda") and result.step == WARMUP + WATCHED + 2
+
+
+def test_a_snapshot_of_gpu_state_is_queued_without_the_host_waiting_and_holds_the_state_of_its_step():
+    state = {"w": torch.randn(1024, 1024, device="cuda", dtype=torch.float64),
+             "m": torch.randn(333, device="cuda"), "rng": torch.get_rng_state()}  # a CPU tensor beside them
+    before = {name: tensor.cpu() for name, tensor in state.items()}
+    pool = HostBuffers()
+    take_snapshot({"s": state}, {"step": 1}, pool=pool).release()  # the pool's pinned buffers, once
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        snapshot = take_snapshot({"s": state}, {"step": 2}, pool=pool)
+        state["w"].add_(1.0)  # the next step's write, queued behind the copies on the same stream
+        state["m"].mul_(0.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    snapshot.wait_copied()
+    assert all(buffer.is_pinned() for buffer in snapshot.buffers.values() if buffer.dtype != torch.uint8)
+    expected = take_snapshot({"s": before}, {"step": 2})  # the same state, copied from CPU tensors
+    assert snapshot.buffers.keys() == expected.buffers.keys()
+    for dtype, buffer in expected.buffers.items():
+        assert torch.equal(snapshot.buffers[dtype], buffer), dtype
+    snapshot.release()
 
 
 def shared_gpu_loop(config: dict) -> dict:

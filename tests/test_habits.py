@@ -170,7 +170,7 @@ def habits(local_ray, tmp_path_factory):
     # takes it in by step 3, so rank 0's death at step 5 leaves a survivor to heal.
     first = fit_started(trainer(storage, "habits", ScalingConfig(min_workers=1, max_workers=2),
                                 die_before_evaluation=(0, 5), report_at=[4], gate=(0, str(storage / "started"))))
-    resumed = trainer(storage, "habits", ScalingConfig(num_workers=2), max_steps=12, report_at=[12]).fit()
+    resumed = trainer(storage, "habits", ScalingConfig(num_workers=1), max_steps=12, report_at=[12]).fit()
     return first, resumed, RunStorage(str(storage), "habits")
 
 
@@ -319,13 +319,13 @@ def test_a_ray_train_shaped_loop_that_never_enters_ctx_steps_fails_the_run_sayin
     with pytest.raises(TrainingFailedError, match=r"returned without iterating ctx.steps\(dataset\).*Write "
                        r"`for step in ctx.steps\(dataset\):`"), \
             pytest.warns(UserWarning, match=r"elastic.report\(\['loss'\]\) was called on rank -1 before ctx.steps\(\) began"):
-        trainer(tmp_path, "ray-train-shaped", ScalingConfig(num_workers=2), loop=ray_train_shaped_loop).fit()
+        trainer(tmp_path, "ray-train-shaped", ScalingConfig(num_workers=1), loop=ray_train_shaped_loop).fit()
 
 
 def test_a_prepared_model_never_called_in_a_step_and_a_report_after_the_loop_are_warned_in_the_journal_and_on_the_driver(
         local_ray, tmp_path):
     with pytest.warns(UserWarning) as warned:
-        result = trainer(tmp_path, "never-trained", ScalingConfig(num_workers=2), max_steps=2,
+        result = trainer(tmp_path, "never-trained", ScalingConfig(num_workers=1), max_steps=2,
                          loop=trains_another_module_and_reports_after_the_loop).fit()
     kinds = {e["kind"]: e["message"] for e in result.events_of("warning")}
     assert set(kinds) == {"model_never_trained", "report_outside_step"}, kinds

@@ -36,13 +36,16 @@ from elastic.checkpoint.storage import RunStorage
 from elastic.testing import NetworkCluster
 from network_driver import (DATA_SEED, FAST, GROWING, HEAVY, MEASURED, SLOW, WIDE, cut_mid_step, cut_partially, events,
                             node_of, result, start_full, wait_for)
-from workloads import regression_reference
+from workloads import STEPS_PER_EPOCH, regression_reference
 
 UNAVAILABLE = NetworkCluster.unavailable()
 pytestmark = [pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no network namespaces: {UNAVAILABLE}"),
               pytest.mark.timeout(600)]
 
 PARAM_TOLERANCE = 1e-9
+# CI's cut at 50 ms steps: FAST's steps, 12 epochs rather than 30. The cut lands within the first
+# generation's first second, and the heal around it within two more; the rest is steady training.
+CI_FAST = dataclasses.replace(FAST, max_steps=12 * STEPS_PER_EPOCH)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +93,7 @@ def _assert_healed_around_the_victim_only(cut, kind):
     assert recovery["detect_s"] > 0 and recovery["seconds"] >= recovery["detect_s"], "the recovery hides the standstill"
 
 
-@pytest.mark.parametrize(("pace", "workers"), [(FAST, 3), pytest.param(SLOW, 3, marks=pytest.mark.soak),
+@pytest.mark.parametrize(("pace", "workers"), [(CI_FAST, 3), pytest.param(SLOW, 3, marks=pytest.mark.soak),
                                                pytest.param(FAST, 2, marks=pytest.mark.soak),
                                                pytest.param(SLOW, 2, marks=pytest.mark.soak)],
                          ids=["50ms-3-workers", "1s-3-workers", "50ms-2-workers", "1s-2-workers"])
@@ -140,7 +143,7 @@ def test_the_overlapped_optimizer_heals_a_worker_node_cut_off_mid_step_exactly(c
 def test_the_groups_bind_each_nodes_own_address_where_the_hostname_resolves_to_loopback(cluster, cuts):
     # The cut run trained across the three worker nodes (its first generation of 3; the victim's
     # replacement came later); each worker says what its groups bound.
-    cut = cuts(FAST, 3)
+    cut = cuts(CI_FAST, 3)
     started = {e["worker_id"]: e for e in cut.events if e["type"] == "worker_started"}
     first = [started[m["worker_id"]] for m in cut.first["members"]]
     assert sorted(node_of(e, cluster) for e in first) == [1, 2, 3], first
