@@ -135,10 +135,17 @@ class Snapshot:
     rank: int = 0
     world_size: int = 1
     pool: HostBuffers | None = None  # where its buffers go back once it is written or skipped
+    copied: Any = None  # a CUDA event recorded after the copies from the GPU, which the host did not wait for
+
+    def wait_copied(self) -> None:
+        """Return once the buffers hold the state: at once for state on CPUs, else when the GPU's copies landed."""
+        if self.copied is not None:
+            self.copied.synchronize()
 
     def release(self) -> None:
         """Give the buffers back for the next snapshot: this one is written, or will never be."""
         if self.pool is not None:
+            self.wait_copied()  # a copy still landing in them would overwrite the next snapshot's
             self.pool.give_back(list(self.buffers.values()))
 
 
@@ -150,15 +157,29 @@ def take_snapshot(states: dict[str, Any], progress: dict[str, Any], rank: int = 
     a buffer for the share, from `pool` where one is given (reused, and pinned for GPU state:
     `elastic.checkpoint.host_buffers`), else allocated. Every rank holds the same state, so a
     rank copies only the slice it writes.
+
+    From a GPU into pinned buffers the copies are queued on the current stream without the host
+    waiting (a blocking copy to the host would synchronize and lose the host's lead over the
+    device), and an event is recorded after them: whoever reads the buffers waits for it
+    (`Snapshot.wait_copied`: the writer's thread). The next step's kernels queue behind the copies
+    on the same stream, so nothing writes the state (the optimizer's step, BatchNorm's statistics in
+    a forward, a heal's broadcast) before it is copied.
     """
     structure, tensors = describe({"progress": progress, "state": states})
     buffers = {}
+    from_gpu = False
     for dtype, parts in tensors.items():
         start, stop = share_bounds(numel(parts), world_size, rank)
         pinned = any(part.is_cuda for part in parts)
         buffer = pool.take(parts[0].dtype, stop - start, pinned) if pool is not None else None
-        buffers[dtype] = gather(parts, start, stop, torch.device("cpu"), buffer)
-    return Snapshot(progress["step"], progress, structure, buffers, rank, world_size, pool)
+        queued = pinned and buffer is not None
+        buffers[dtype] = gather(parts, start, stop, torch.device("cpu"), buffer, non_blocking=queued)
+        from_gpu |= queued
+    copied = None
+    if from_gpu:
+        copied = torch.cuda.Event()
+        copied.record()
+    return Snapshot(progress["step"], progress, structure, buffers, rank, world_size, pool, copied)
 
 
 def shard_chunks(snapshot: Snapshot, rank: int, world_size: int) -> dict[str, torch.Tensor]:
@@ -477,6 +498,7 @@ class CheckpointWriter:
                optimizer_shard: dict[str, Any] | None,
                reported_files: dict[str, bytes] | Callable[[], dict[str, bytes]], generation: int,
                part: Part | None) -> None:
+        snapshot.wait_copied()
         started = time.perf_counter()
         folder = checkpoint_storage(self.run, snapshot.step)
         report: dict[str, Any] = {"step": snapshot.step, "rank": rank, "world_size": world_size,

@@ -51,12 +51,14 @@ def numel(tensors: list[torch.Tensor]) -> int:
 
 
 def gather(tensors: list[torch.Tensor], start: int, stop: int, device: torch.device,
-           buffer: torch.Tensor | None = None) -> torch.Tensor:
+           buffer: torch.Tensor | None = None, non_blocking: bool = False) -> torch.Tensor:
     """Elements [start, stop) of `tensors` laid end to end, in a new 1-d buffer on `device` (or in
     `buffer`, of stop - start elements).
 
     The buffer is allocated once and each tensor's part is copied straight into it, across
     devices and strides alike: no per-tensor temporary and no second copy by `torch.cat`.
+    `non_blocking`: copies from a GPU into a pinned `buffer` are queued on the current stream and
+    the host goes on; the caller waits for them (an event recorded after) before reading.
     """
     if buffer is None:
         buffer = torch.empty(stop - start, dtype=tensors[0].dtype, device=device)
@@ -67,10 +69,10 @@ def gather(tensors: list[torch.Tensor], start: int, stop: int, device: torch.dev
         if begin < end:
             target = buffer[begin - start : end - start]
             if end - begin == count:
-                target.view(tensor.shape).copy_(tensor)
+                target.view(tensor.shape).copy_(tensor, non_blocking=non_blocking)
             else:
                 # Part of a tensor: a view of its flat form (a copy only if it is not contiguous).
-                target.copy_(tensor.reshape(-1)[begin - offset : end - offset])
+                target.copy_(tensor.reshape(-1)[begin - offset : end - offset], non_blocking=non_blocking)
         offset += count
     return buffer
 

@@ -126,7 +126,8 @@ class Snapshots:
         return bool(flag.item())
 
     def take(self) -> None:
-        """Snapshot to CPU (training waits only for this copy) and write the shard in the background."""
+        """Snapshot to CPU (training waits only for this copy; from a GPU, not even for it: the copies
+        are queued on the stream, `take_snapshot`) and write the shard in the background."""
         started = time.perf_counter()
         kept = self._techniques.checkpoint_state(self._state, self._progress.to_dict())
         if kept is None:
