@@ -1,9 +1,11 @@
 """The GPU figures, in one prepared script for a machine with CUDA (run from the repository root):
 
     .venv/bin/python -m benchmarks.gpu                      # writes benchmarks/results/gpu.json
-    .venv/bin/python -m benchmarks.gpu --out /tmp/gpu.json
+    .venv/bin/python -m benchmarks.gpu --out /tmp/gpu.json --rounds 2
+    .venv/bin/python -m benchmarks.gpu --cpu --out /tmp/gpu_cpu.json   # the step logic on CPUs
 
-Without CUDA it says so and exits with code 2. It measures, each as min, median and max:
+Without CUDA, and without `--cpu`, it says so and exits with code 2. It measures, each as min,
+median and max:
 
 - NCCL generations, the way a worker joins and leaves them (`elastic.comm.group`): one process per
   GPU (world size 1, and 2 where there are two GPUs) forms generation 0 (the store barrier,
@@ -17,7 +19,14 @@ Without CUDA it says so and exits with code 2. It measures, each as min, median 
   AdamW state of about SNAPSHOT_PARAMS parameters (~SNAPSHOT_PARAMS * 12 bytes) into the reused,
   pinned buffers of a `HostBuffers` pool (as a worker takes it), against a plain `.cpu()` copy of
   every tensor of the same state and against the floor, a non-blocking copy of every tensor into
-  pinned buffers kept across rounds.
+  pinned buffers kept across rounds;
+- the steady step of a plain torch loop, plain DDP and elastic side by side, at the demo LM's size
+  and a larger one (`benchmarks.gpu_step`): `step_ratio_vs_plain_torch`, `step_ratio_vs_plain_ddp`
+  (world size 1), `step_ratio_vs_plain_ddp_2_ranks` (two ranks sharing the GPU) and
+  `checkpointed_step_ratio` (a checkpoint every 50 steps against none), each per size.
+
+`--cpu` runs only the last, on CPUs over gloo with smaller models: it checks the script's logic on
+a machine without a GPU, and its figures say nothing of a GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from benchmarks import gpu_step
 from benchmarks.bench import _provenance, command_line
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,18 +57,28 @@ LM_BATCH = 32  # the demo's global batch
 LM_WARMUP_STEPS, LM_STEPS = 20, 200
 SNAPSHOT_PARAMS = 200_000_000  # fp32 weights and two AdamW moments: ~2.4 GB on the GPU
 SNAPSHOT_ROUNDS = 5
+# The step figures at the report's top level, as issue 40 names them (benchmarks/results/gpu.json).
+STEP_KEYS = ("step_ratio_vs_plain_torch", "step_ratio_vs_plain_ddp", "step_ratio_vs_plain_ddp_2_ranks",
+             "checkpointed_step_ratio")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=DEFAULT_OUT, help="where to write the JSON (default: %(default)s)")
+    parser.add_argument("--out", default=None, help=f"where to write the JSON (default: {DEFAULT_OUT}; "
+                        "with --cpu, nowhere)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the step contenders (default: %(default)s)")
+    parser.add_argument("--cpu", action="store_true", help="only the step contenders, on CPUs: a check of the script")
     args = parser.parse_args(argv)
+    started = time.time()
+    if args.cpu:
+        report = {"step": gpu_step.step_ratios(cpu=True, rounds=args.rounds)}
+        report.update(_provenance(command_line("benchmarks.gpu", argv), time.time() - started))
+        return _write(report, args.out)
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA GPU, and this machine has none (torch.cuda.is_available() is False). "
               "Run it on a GPU machine; the CPU figures come from benchmarks.bench and benchmarks.scale.",
               file=sys.stderr)
         return NEEDS_GPU_EXIT
-    started = time.time()
     gpus = torch.cuda.device_count()
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0),
@@ -70,13 +90,21 @@ def main(argv: list[str] | None = None) -> int:
         "lm_steps_per_s": {precision: lm_steps_per_s(precision) for precision in ("fp32", "bf16")},
         "checkpoint_stall": checkpoint_stall(),
     }
+    step = gpu_step.step_ratios(rounds=args.rounds)
+    report.update({key: step.pop(key) for key in STEP_KEYS})
+    report["step"] = step
     report.update(_provenance(command_line("benchmarks.gpu", argv), time.time() - started))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
+    return _write(report, args.out or DEFAULT_OUT)
+
+
+def _write(report: dict[str, Any], out: str | None) -> int:
     print(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    if out is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+        print(f"\nwrote {out}")
     return 0
 
 
