@@ -149,6 +149,6 @@ def test_the_reader_sees_the_imports_it_must_judge():
     assert "elastic.worker.step" in EDGES["elastic.worker.context"]  # from elastic.worker.step import ...
     assert "elastic.data.order" in EDGES["elastic.worker.step"]  # from elastic.data import order as data_math
     assert "elastic.trainer" in EDGES["elastic"]  # inside __getattr__
-    assert "elastic.techniques.strategy" in EDGES["elastic.worker.probe"]  # under TYPE_CHECKING
+    assert "elastic.parallel.prepared" in EDGES["elastic.worker.probe"]  # under TYPE_CHECKING
     assert "elastic.parallel.pipelined_replica" in EDGES["elastic.worker.model_kinds"]  # inside a function
     assert "elastic" in EDGES["elastic.demo.train"]  # import elastic
