@@ -187,13 +187,15 @@ def test_easgd_rolls_a_mid_interval_death_back_restarts_every_rank_from_the_cent
                                                                        state["outer_sync"]["anchor"], strict=True)), step
 
 
-# fp16 precision goes through a heal in CI below (the overflow test); bf16 compression is fp16's
-# with another dtype. Both run under -m soak, for the suite's time on 2 cores.
-@pytest.mark.parametrize("strategy", [Strategy(precision="bf16"),
+# CI runs bf16 autocast and fp16 gradient compression together through one heal; each alone, fp16
+# precision and bf16 compression (fp16's with another dtype) run under -m soak, for the suite's
+# time on 2 cores. fp16 precision goes through a heal in CI below (the overflow test).
+@pytest.mark.parametrize("strategy", [pytest.param(Strategy(precision="bf16"), marks=pytest.mark.soak),
                                       pytest.param(Strategy(precision="fp16"), marks=pytest.mark.soak),
-                                      Strategy(compression="fp16"),
-                                      pytest.param(Strategy(compression="bf16"), marks=pytest.mark.soak)],
-                         ids=["bf16", "fp16", "compress-fp16", "compress-bf16"])
+                                      pytest.param(Strategy(compression="fp16"), marks=pytest.mark.soak),
+                                      pytest.param(Strategy(compression="bf16"), marks=pytest.mark.soak),
+                                      Strategy(precision="bf16", compression="fp16")],
+                         ids=["bf16", "fp16", "compress-fp16", "compress-bf16", "bf16-compress-fp16"])
 def test_reduced_precision_ends_within_one_percent_of_fp32_through_a_heal(local_ray, tmp_path, ddp_reference,
                                                                           strategy):
     result = _fit(tmp_path, "precision", ScalingConfig(min_workers=1, max_workers=2), strategy,
@@ -251,9 +253,6 @@ def test_powersgd_through_a_planned_grow_equals_a_fixed_size_run(local_ray, tmp_
     assert fixed.value["comm_bytes"] < 0.5 * MAX_STEPS * parameter_bytes, "PowerSGD sent half of plain DDP or more"
 
 
-# The suite's time on 2 cores: PowerSGD runs through Ray in CI in the grow test above, and a step
-# aborted with a P on the wire is redone and ends equal in tests/test_powersgd.py (gloo processes).
-@pytest.mark.soak
 def test_powersgd_through_a_kill_ends_within_two_percent_of_the_fault_free_loss(local_ray, tmp_path):
     fixed = _fit(tmp_path, "powersgd-ref", ScalingConfig(min_workers=2, max_workers=2), POWERSGD)
     healed = _fit(tmp_path, "powersgd-kill", ScalingConfig(min_workers=1, max_workers=2), POWERSGD,
@@ -352,9 +351,10 @@ def test_a_checkpoint_without_optimizer_shards_does_not_resume_a_zero_run(local_
 SLOW_STEP_S = 0.25  # a sleep inside each step, standing for seconds of compute (as in the chaos matrix)
 
 
-# Every case runs under `-m soak` (the suite's time on 2 cores). CI has their heals through Fault
-# kills (the DiLoCo and EASGD rollbacks, the ZeRO-1 buddy and ZeRO-3 equivalences), and a slow-step
-# outside SIGKILL through the chaos matrix (a newcomer's, inside a 0.25 s step).
+# Every case runs under `-m soak` (the suite's time on 2 cores). CI has heals through Fault kills
+# (EASGD's and local SGD's rollbacks to the last sync, which DiLoCo's shares; the ZeRO-1 buddy;
+# PowerSGD), ZeRO-3 through a death in tests/test_fsdp.py, and a slow-step outside SIGKILL through
+# the chaos matrix (a newcomer's, inside a 0.25 s step).
 @pytest.mark.parametrize("strategy", [
     pytest.param(Strategy(sync="diloco:every=8"), marks=pytest.mark.soak),
     pytest.param(Strategy(sync="easgd:every=8"), marks=pytest.mark.soak),
