@@ -62,23 +62,24 @@ def gpt2_loop(config: dict) -> dict:
 
 def test_a_hugging_face_gpt2_heals_grows_back_keeps_its_output_type_under_bf16_and_ends_whole(local_ray, tmp_path):
     killer = OutsideKiller("mid-step", str(tmp_path), "gpt2", SimpleNamespace(compute_s=STEP_S), seed=2, victim=1,
-                           world_size=3, from_step=10)
+                           world_size=2, from_step=10)
     killer.start()
     result = fit_held(ElasticTrainer(
         gpt2_loop,
-        # Held after step 0 until all 3 started, and after step 20 (past the kill) until the
+        # Held after step 0 until both started, and after step 20 (past the kill) until the
         # replacement started: importing transformers takes seconds, longer than the run's steps.
+        # Two workers, not three: each imports transformers, and one survivor heals as two would.
         train_loop_config={"gate": (0, str(tmp_path / "gpt2-started")), "gates": [(20, str(tmp_path / "gpt2-back"))]},
-        scaling_config=ScalingConfig(min_workers=2, max_workers=3),
+        scaling_config=ScalingConfig(min_workers=1, max_workers=2),
         run_config=RunConfig(name="gpt2", storage_path=str(tmp_path)),
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=8, max_steps=MAX_STEPS),
         strategy=Strategy(precision="bf16"),
         show_progress=False,
-    ), workers_started(3), workers_started(4))
+    ), workers_started(2), workers_started(3))
     assert killer.done.wait(60) and killer.killed, "the outside kill never happened"
     assert result.step == MAX_STEPS
     assert [e["kind"] for e in result.events_of("worker_failed")] == ["death"]
-    assert [e["world_size"] for e in result.events_of("generation_formed")][-2:] == [2, 3], "no heal and grow back"
+    assert [e["world_size"] for e in result.events_of("generation_formed")][-2:] == [1, 2], "no heal and grow back"
     assert result.value["outputs"] == ["CausalLMOutputWithCrossAttentions"], "bf16 changed the model's output type"
     ledger = result.value["ledger"]
     assert torch.equal(ledger, torch.ones_like(ledger)), "a sample was lost or seen twice"

@@ -43,8 +43,10 @@ def _trainer(tmp_path, name, source, workers, faults=(), filesystem=None, prefet
 def reference(local_ray, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("parquet"))
     write_regression_parquet(folder, NUM_SAMPLES, files=3)
-    trainer = _trainer(tmp_path_factory.mktemp("reference"), "reference", folder, (3, 3), prefetch_threads=0)
-    return folder, fit_held(trainer, workers_started(3), lambda events: True).value
+    # One worker: the math is the same at any world size (the healed runs below, at 3, 2 and 3
+    # ranks, equal it within 1e-9), and one worker is two fewer processes to start.
+    trainer = _trainer(tmp_path_factory.mktemp("reference"), "reference", folder, (1, 1), prefetch_threads=0)
+    return folder, fit_held(trainer, workers_started(1), lambda events: True).value
 
 
 def _check_sizes(result):
