@@ -47,6 +47,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from benchmarks import gpu_step
+from benchmarks.gpu_step import spread
 from benchmarks.bench import _provenance, command_line
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,8 +120,8 @@ def nccl_generations(world_size: int) -> dict[str, Any]:
     # A generation is formed when its slowest member is: the most over ranks, per generation.
     slowest = {key: [max(r[key][g] for r in ranks) for g in range(len(ranks[0][key]))]
                for key in ("form_s", "abort_s", "leave_s")}
-    return {"first_form_s": slowest["form_s"][0], "reform_s": _spread(slowest["form_s"][1:]),
-            "abort_s": _spread(slowest["abort_s"]), "leave_s": _spread(slowest["leave_s"]),
+    return {"first_form_s": slowest["form_s"][0], "reform_s": spread(slowest["form_s"][1:]),
+            "abort_s": spread(slowest["abort_s"]), "leave_s": spread(slowest["leave_s"]),
             "generations": GENERATIONS}
 
 
@@ -230,8 +231,8 @@ def checkpoint_stall() -> dict[str, Any]:
         stall.append(_synchronized(snapshot))
         copy.append(_synchronized(plain_copy))
         floor.append(_synchronized(pinned_copy))
-    return {"bytes": state_bytes, "stall_s": _spread(stall), "plain_cpu_copy_s": _spread(copy),
-            "pinned_copy_s": _spread(floor),
+    return {"bytes": state_bytes, "stall_s": spread(stall), "plain_cpu_copy_s": spread(copy),
+            "pinned_copy_s": spread(floor),
             "stall_ratio_vs_plain_copy": statistics.median(stall) / statistics.median(copy),
             "stall_ratio_vs_pinned_copy": statistics.median(stall) / statistics.median(floor),
             "rounds": SNAPSHOT_ROUNDS}
@@ -254,10 +255,6 @@ def _synchronized(function: Callable[[], None]) -> float:
     function()
     torch.cuda.synchronize()
     return time.perf_counter() - began
-
-
-def _spread(values: list[float]) -> dict[str, Any]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values), "values": values}
 
 
 if __name__ == "__main__":

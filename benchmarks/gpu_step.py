@@ -89,13 +89,13 @@ def step_ratios(cpu: bool = False, rounds: int = 3) -> dict[str, Any]:
                       f"{times[name][contender][-1] * 1e3:.2f} ms", file=sys.stderr, flush=True)
     report: dict[str, Any] = {"device": "cpu" if cpu else torch.cuda.get_device_name(0), "rounds": rounds,
                               "warmup": warmup, "steps": steps, "sizes": {n: asdict(s) for n, s in sizes.items()},
-                              "step_s": {n: {c: _spread(t) for c, t in by.items()} for n, by in times.items()}}
+                              "step_s": {n: {c: spread(t) for c, t in by.items()} for n, by in times.items()}}
     for key, over, under in (("step_ratio_vs_plain_torch", "elastic_1", "plain_torch"),
                              ("step_ratio_vs_plain_ddp", "elastic_1", "plain_ddp_1"),
                              ("step_ratio_vs_plain_ddp_2_ranks", "elastic_2", "plain_ddp_2"),
                              ("checkpointed_step_ratio", "elastic_1_checkpointed", "elastic_1")):
         # Per round: each ratio compares runs made minutes apart at most.
-        report[key] = {name: _spread([a / b for a, b in zip(times[name][over], times[name][under])])
+        report[key] = {name: spread([a / b for a, b in zip(times[name][over], times[name][under])])
                        for name in sizes}
     return report
 
@@ -241,5 +241,6 @@ RUNS = {
 }
 
 
-def _spread(values: list[float]) -> dict[str, Any]:
+def spread(values: list[float]) -> dict[str, Any]:
+    """min, median, max and the values: how every figure of benchmarks/gpu.py is written."""
     return {"min": min(values), "median": statistics.median(values), "max": max(values), "values": values}
