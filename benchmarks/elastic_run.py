@@ -129,12 +129,13 @@ def chaos(steps: int, every_steps: int, storage: str) -> dict[str, Any]:
 
 def _fit(config: dict[str, Any], steps: int, faults: list[elastic.Fault], storage: str,
          checkpoint_every: int | None = None, failure: elastic.FailureConfig | None = None,
-         spare_workers: int = 0) -> elastic.Result:
+         spare_workers: int = 0, scaling: elastic.ScalingConfig | None = None) -> elastic.Result:
+    """The benchmark workload through `ElasticTrainer`, at 1 to workload.WORLD_SIZE workers unless `scaling` says otherwise."""
     trainer = elastic.ElasticTrainer(
         _train_loop,
         train_loop_config=config,
-        scaling_config=elastic.ScalingConfig(min_workers=1, max_workers=workload.WORLD_SIZE,
-                                             spare_workers=spare_workers),
+        scaling_config=scaling or elastic.ScalingConfig(min_workers=1, max_workers=workload.WORLD_SIZE,
+                                                        spare_workers=spare_workers),
         run_config=elastic.RunConfig(
             name=f"bench-{uuid.uuid4().hex[:8]}", storage_path=storage,
             checkpoint_config=elastic.CheckpointConfig(every_steps=checkpoint_every),

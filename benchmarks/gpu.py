@@ -8,10 +8,14 @@ Without CUDA, and without `--cpu`, it says so and exits with code 2. It measures
 median and max:
 
 - NCCL generations, the way a worker joins and leaves them (`elastic.comm.group`): one process per
-  GPU (world size 1, and 2 where there are two GPUs) forms generation 0 (the store barrier,
+  rank (world sizes 1, 2 and 4; ranks beyond the GPUs share them, each a host of its own to NCCL
+  as a worker holding a share of a GPU is) forms generation 0 (the store barrier,
   `init_process_group` and the first all-reduce, which is when NCCL builds its communicator),
-  then aborts it as a heal does (`abort_communicator` from another thread, then
-  `leave_group`) and forms the next one, GENERATIONS times;
+  then heals as a worker does (`GenerationGroup.abort`, then `leave_group`) and forms the next
+  one, GENERATIONS times. `critical_path_s` is what the heal's path spends on the abort (the
+  abort and the leave, on the train thread), `nccl_abort_on_critical_path_s` at the report's top
+  level; `abort_s` is the abort itself, on the retirement thread (`elastic.comm.retirement`);
+  `reform_s` is each later formation, made while the one before is still being aborted;
 - the demo's LM (`elastic.demo.model.TinyLM` with the demo's ModelConfig, AdamW, a batch of
   LM_BATCH windows of the demo's length) on one GPU: steps per second in fp32 and under bf16
   autocast;
@@ -23,10 +27,12 @@ median and max:
 - the steady step of a plain torch loop, plain DDP and elastic side by side, at the demo LM's size
   and a larger one (`benchmarks.gpu_step`): `step_ratio_vs_plain_torch`, `step_ratio_vs_plain_ddp`
   (world size 1), `step_ratio_vs_plain_ddp_2_ranks` (two ranks sharing the GPU) and
-  `checkpointed_step_ratio` (a checkpoint every 50 steps against none), each per size.
+  `checkpointed_step_ratio` (a checkpoint every 50 steps against none), each per size;
+- healing through Ray with ranks sharing the GPU (`benchmarks.gpu_heal`): `nccl_shared_gpu` (the
+  recovery at 2 and 4 ranks, the grow pause) and `restart_after_every_worker_s`.
 
-`--cpu` runs only the last, on CPUs over gloo with smaller models: it checks the script's logic on
-a machine without a GPU, and its figures say nothing of a GPU.
+`--cpu` runs only the last two, on CPUs over gloo (smaller models, longer runs): it checks the
+script's logic on a machine without a GPU, and its figures say nothing of a GPU.
 """
 
 from __future__ import annotations
@@ -36,7 +42,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -46,7 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from benchmarks import gpu_step
+from benchmarks import gpu_heal, gpu_step
 from benchmarks.gpu_step import spread
 from benchmarks.bench import _provenance, command_line
 
@@ -68,11 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help=f"where to write the JSON (default: {DEFAULT_OUT}; "
                         "with --cpu, nowhere)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the step contenders (default: %(default)s)")
+    parser.add_argument("--heal-rounds", type=int, default=1,
+                        help="rounds of the heals through Ray (benchmarks.gpu_heal; default: %(default)s)")
     parser.add_argument("--cpu", action="store_true", help="only the step contenders, on CPUs: a check of the script")
     args = parser.parse_args(argv)
     started = time.time()
     if args.cpu:
-        report = {"step": gpu_step.step_ratios(cpu=True, rounds=args.rounds)}
+        report = {"step": gpu_step.step_ratios(cpu=True, rounds=args.rounds), **gpu_heal.heal_figures(cpu=True)}
         report.update(_provenance(command_line("benchmarks.gpu", argv), time.time() - started))
         return _write(report, args.out)
     if not torch.cuda.is_available():
@@ -87,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-        "nccl_generations": {str(size): nccl_generations(size) for size in (1, 2) if size <= gpus},
+        "nccl_generations": {str(size): nccl_generations(size) for size in (1, 2, 4)},
         "lm_steps_per_s": {precision: lm_steps_per_s(precision) for precision in ("fp32", "bf16")},
         "checkpoint_stall": checkpoint_stall(),
     }
+    report["nccl_abort_on_critical_path_s"] = report["nccl_generations"]["2"]["critical_path_s"]
+    report.update(gpu_heal.heal_figures(rounds=args.heal_rounds))
     step = gpu_step.step_ratios(rounds=args.rounds)
     report.update({key: step.pop(key) for key in STEP_KEYS})
     report["step"] = step
@@ -119,18 +128,26 @@ def nccl_generations(world_size: int) -> dict[str, Any]:
     ranks = [results[r] for r in range(world_size)]
     # A generation is formed when its slowest member is: the most over ranks, per generation.
     slowest = {key: [max(r[key][g] for r in ranks) for g in range(len(ranks[0][key]))]
-               for key in ("form_s", "abort_s", "leave_s")}
+               for key in ("form_s", "abort_s", "critical_path_s")}
     return {"first_form_s": slowest["form_s"][0], "reform_s": spread(slowest["form_s"][1:]),
-            "abort_s": spread(slowest["abort_s"]), "leave_s": spread(slowest["leave_s"]),
+            "abort_s": spread(slowest["abort_s"]), "critical_path_s": spread(slowest["critical_path_s"]),
             "generations": GENERATIONS}
 
 
 def _generations_member(rank: int, world_size: int, port: int, results: Any) -> None:
-    from elastic.comm.group import GenerationSpec, StoreClient, abort_communicator, form_group, leave_group, rendezvous
+    from elastic.comm.generation import GenerationGroup
+    from elastic.comm.group import GenerationSpec, GradientAllReduce, StoreClient, form_group, leave_group, rendezvous
+    from elastic.comm.links import GroupLinks
+    from elastic.comm.retirement import retirement
 
-    torch.cuda.set_device(rank)
+    from elastic.comm.binding import separate_ranks_sharing_a_gpu
+
+    gpus = torch.cuda.device_count()
+    torch.cuda.set_device(rank % gpus)
+    if world_size > gpus:
+        separate_ranks_sharing_a_gpu(rank, gpus / world_size)  # as a worker holding a share of a GPU does
     store = StoreClient().get("127.0.0.1", port)
-    times: dict[str, list[float]] = {"form_s": [], "abort_s": [], "leave_s": []}
+    times: dict[str, list[float]] = {"form_s": [], "critical_path_s": []}
     for generation in range(GENERATIONS):
         spec = GenerationSpec(generation=generation, rank=rank, world_size=world_size, local_rank=rank,
                               local_world_size=world_size, node_rank=0, store_host="127.0.0.1", store_port=port,
@@ -138,27 +155,24 @@ def _generations_member(rank: int, world_size: int, port: int, results: Any) -> 
         began = time.perf_counter()
         if not rendezvous(spec, store):
             raise RuntimeError(f"generation {generation} was aborted; nothing here aborts it")
-        form_group(spec, store)
+        form_group(spec, store)  # while the generation before is still being aborted
         probe = torch.ones(1, device="cuda")
         dist.all_reduce(probe)  # NCCL builds the communicator on the first collective
         torch.cuda.synchronize()
         times["form_s"].append(time.perf_counter() - began)
-        # A heal: the control thread aborts the stale communicator, then the train thread leaves.
-        group = dist.group.WORLD
-        aborter = threading.Thread(target=_timed, args=(abort_communicator, group, times["abort_s"]))
-        aborter.start()
-        aborter.join()
-        _timed(leave_group, "nccl", times["leave_s"])
+        # A heal as a worker makes it: the control thread aborts the stale generation, the train thread leaves it.
+        stale = GenerationGroup(generation, "nccl", dist.group.WORLD, GroupLinks(frozenset()),
+                                GradientAllReduce(generation, abortable=False))
+        healing = time.perf_counter()
+        stale.abort("benchmarks.gpu: a heal")
+        leave_group("nccl")
+        times["critical_path_s"].append(time.perf_counter() - healing)
+    retirement.wait_idle()
+    # Two batches per generation: the control thread's abort, then the leave's, of a communicator already aborted.
+    times["abort_s"] = retirement.seconds[0::2]
     results[rank] = times
 
 
-def _timed(function: Callable[[Any], Any], argument: Any, into: list[float]) -> None:
-    began = time.perf_counter()
-    function(argument)
-    into.append(time.perf_counter() - began)
-
-
-# --- the demo's LM --------------------------------------------------------------------------------
 def lm_steps_per_s(precision: str) -> dict[str, Any]:
     """Training steps per second of the demo's LM on one GPU, in fp32 or under bf16 autocast."""
     from elastic.demo.corpus import VOCAB_SIZE

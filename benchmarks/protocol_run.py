@@ -50,17 +50,20 @@ SLOW_STEP_SLEEP_S = 1.0
 KILLED_RANK = 1
 
 
-def heal_and_grow(steps: int, kill_step: int, step_sleep_s: float, storage: str) -> dict[str, Any]:
-    """Kill rank 1 mid all-reduce at `kill_step`; the recovery, then the grow back to max_workers."""
+def heal_and_grow(steps: int, kill_step: int, step_sleep_s: float, storage: str,
+                  scaling: elastic.ScalingConfig | None = None) -> dict[str, Any]:
+    """Kill rank 1 mid all-reduce at `kill_step`; the recovery, then the grow back to max_workers
+    (workload.WORLD_SIZE, unless `scaling` says otherwise: benchmarks/gpu_heal.py's ranks sharing a GPU)."""
     fault = elastic.Fault(kind="kill", rank=KILLED_RANK, step=kill_step, where="allreduce")
     config = {"report": False, "step_sleep_s": step_sleep_s, "stamp_failures": True}
-    result = elastic_run._fit(config, steps, [fault], storage)
+    result = elastic_run._fit(config, steps, [fault], storage, scaling=scaling)
+    full_size = scaling.max_workers if scaling is not None else workload.WORLD_SIZE
     death = _death_time(result)
     stamps = [s for s in result.value if not s.get("failed")]
     grows = [e for e in result.events_of("generation_formed")
-             if e["kind"] == "grow" and e["time"] > death and e["world_size"] == workload.WORLD_SIZE]
+             if e["kind"] == "grow" and e["time"] > death and e["world_size"] == full_size]
     if not grows:
-        raise RuntimeError(f"no grow back to {workload.WORLD_SIZE} workers before step {steps}, the last; raise "
+        raise RuntimeError(f"no grow back to {full_size} workers before step {steps}, the last; raise "
                            f"the run's steps. Generations formed: {_formations(result)}")
     grow = grows[0]
     ready = next((e for e in result.events_of("worker_started") if death < e["time"] <= grow["time"]), None)

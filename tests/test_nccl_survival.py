@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from elastic.comm import generation as generation_module
 from elastic.comm.generation import GenerationGroup
 from elastic.comm.group import NCCL_ERROR_HANDLING, NCCL_SURVIVOR_MODE, GradientAllReduce
 from elastic.comm.links import GroupLinks
+from elastic.comm.retirement import retirement
 from elastic.config import DataConfig
 from elastic.worker.context import TrainContext
 from elastic.worker.mailbox import GenerationMailbox
@@ -31,20 +31,33 @@ def test_the_nccl_watchdog_never_tears_a_survivor_down(inherited):
     assert out.stdout.strip() == NCCL_SURVIVOR_MODE == "2"
 
 
-def test_a_stale_abort_hits_the_captured_group_and_never_the_one_that_replaced_it(monkeypatch):
+def test_a_stale_abort_hits_the_captured_group_and_never_the_one_that_replaced_it():
     aborted = []
-    monkeypatch.setattr(generation_module, "abort_communicator", aborted.append)
     ctx = TrainContext(DataConfig(global_batch_size=4, micro_batch_size=2, max_steps=1), GenerationMailbox(), [],
                        lambda report: None, use_gpu=False)
-    old, new = object(), object()
+    old, new = _Communicator("old", aborted), _Communicator("new", aborted)
     ctx.membership._group = _generation(3, old)
     ctx.abort_stale_group(3)
+    assert retirement.wait_idle(30)
     assert aborted == [], "the current generation was aborted by an offer of itself"
     ctx.abort_stale_group(4)
-    assert aborted == [old]
+    ctx.abort_stale_group(5)  # a second offer while the first abort runs: one abort is enough
+    assert retirement.wait_idle(30)
+    assert aborted == ["old"]
     ctx.membership._group = _generation(4, new)  # the train thread formed generation 4 meanwhile
     ctx.abort_stale_group(4)
-    assert aborted == [old], "the replacement group was aborted"
+    assert retirement.wait_idle(30)
+    assert aborted == ["old"], "the replacement group was aborted"
+
+
+class _Communicator:
+    """Stands for an NCCL group (none exists without a GPU): it records its aborts."""
+
+    def __init__(self, name, aborted):
+        self.name, self.aborted = name, aborted
+
+    def abort(self):
+        self.aborted.append(self.name)
 
 
 def _generation(number, world):

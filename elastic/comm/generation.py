@@ -5,7 +5,8 @@ holds what generation g connected in this process: the default group, the subgro
 within the nodes (`elastic.comm.hierarchical`), its gradient all-reduces (`GradientAllReduce`)
 and its connections (`GroupLinks`). Every abort of the generation goes through `abort(reason)`,
 which latches the reason, fails its pending gradient all-reduces (and stops those summing within
-the nodes first from issuing more), aborts its NCCL communicator and severs its gloo connections.
+the nodes first from issuing more), and severs its gloo connections or hands its NCCL communicator
+to the retirement thread (`elastic.comm.retirement`), which aborts it off the heal's path.
 
 Whether the generation failed is told from facts, never from the text of an exception
 (`errored`):
@@ -31,9 +32,10 @@ import torch
 
 import torch.distributed as dist
 
-from elastic.comm.group import PEER_ABORT_MARKER, GradientAllReduce, abort_communicator
+from elastic.comm.group import PEER_ABORT_MARKER, GradientAllReduce
 from elastic.comm.hierarchical import HierarchicalAllReduce
 from elastic.comm.links import GroupLinks
+from elastic.comm.retirement import retirement
 
 
 class GenerationGroup:
@@ -54,6 +56,7 @@ class GenerationGroup:
     def abort(self, reason: str) -> None:
         """Fail whatever waits on this generation's groups, from any thread; the first reason sticks."""
         with self._lock:
+            first = self._aborted is None
             self._aborted = self._aborted or reason
             peer_waits = self._peer_waits
         if peer_waits is not None:
@@ -61,9 +64,13 @@ class GenerationGroup:
         self.gradients.abort(reason)
         if self.hierarchy is not None:
             self.hierarchy.abort(reason)
-        abort_communicator(self.world)
         if self.backend == "gloo":
             self.links.sever()
+        elif first:
+            # The captured group, never torch's current one, which may already be its replacement.
+            # Its abort flag frees a kernel waiting on a dead peer at once; the abort itself lasts
+            # about a second and runs on the retirement thread.
+            retirement.retire([self.world])
 
     def errored(self) -> str | None:
         """Why this generation's groups failed, from facts (see the module's docstring); None while sound."""

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.comm.retirement import retirement
+
 # NCCL's watchdog must turn a dead peer into an error in the waiting thread, and abort only
 # the broken communicator: mode 2 ("CleanUpOnly"). Modes 1 and 3 tear the whole process down,
 # which would kill every survivor of a death; 0 would leave a survivor hanging.
@@ -306,21 +308,11 @@ def flat_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda done: done.value()[0])
 
 
-def abort_communicator(group: dist.ProcessGroup) -> None:
-    """Abort the NCCL communicator of `group`, a group captured earlier, from any thread.
-
-    `_abort_process_group` would abort every group registered at the time of the call, which
-    may already include the one that replaced `group`; aborting the captured backend cannot.
-    """
-    try:
-        backend = group._get_backend(torch.device("cuda"))
-    except RuntimeError:
-        return  # no NCCL backend: nothing can hang in a kernel
-    backend.abort()
-
-
 def leave_group(backend: str, held: list[Any] | None = None) -> None:
     """Drop the current process group, if any, without waiting on peers that may be dead.
+
+    NCCL's groups are taken out of torch's registry and aborted on the retirement thread
+    (`elastic.comm.retirement`), which holds the last references to them and to `held`.
 
     A gloo group is let go of on a thread of its own. Its last reference closes its sockets
     one peer at a time, and each close waits for a tick of gloo's event loop (up to 10 ms):
@@ -337,7 +329,10 @@ def leave_group(backend: str, held: list[Any] | None = None) -> None:
     if not dist.is_initialized():
         return
     if backend == "nccl":
-        dist.distributed_c10d._abort_process_group()
+        # NCCL's abort lasts about a second: it runs on the retirement thread, off the heal's path.
+        retirement.retire(forget_every_group(), held or [])
+        if held:
+            held.clear()
         return
     # The only reference outside torch's registry goes to the thread, so it is the last. Not
     # a daemon: the interpreter waits for it at exit instead of tearing gloo down under it.
@@ -346,3 +341,24 @@ def leave_group(backend: str, held: list[Any] | None = None) -> None:
         held.clear()
     dist.destroy_process_group()
     threading.Thread(target=parcel.clear, name="elastic-leave").start()
+
+
+def forget_every_group() -> list[dist.ProcessGroup]:
+    """Take every process group out of torch's registry without aborting or destroying any, and
+    return them, the newest first (the order torch aborts them in).
+
+    It clears what torch 2.13's `_abort_process_group()` clears after its aborts
+    (torch/distributed/distributed_c10d.py), so that the next generation's `init_process_group`
+    forms a default group named "0" while these are still being aborted elsewhere.
+    tests/test_retirement.py checks it against torch.
+    """
+    c10d = dist.distributed_c10d
+    world = c10d._world
+    groups = sorted(world.pg_names, key=lambda group: world.pg_names[group], reverse=True)
+    c10d._update_default_pg(None)
+    for registry in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag,
+                     world.tags_to_pg, world.pg_coalesce_state):
+        registry.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
+    return groups
