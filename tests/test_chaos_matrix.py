@@ -101,12 +101,14 @@ pytestmark = pytest.mark.timeout(240)
 STARTED_GATE, NEWCOMER_GATE = 0, 6
 
 
-def _trainer(tmp_path, name, pace, workers, faults=(), gates=()):
+def _trainer(tmp_path, name, pace, workers, faults=(), gates=(), gpu_share=None):
+    """`gpu_share`: each worker's share of the one GPU, over NCCL (tests/test_nccl_chaos.py); None: CPUs, gloo."""
+    gpu = {"use_gpu": True, "resources_per_worker": {"CPU": 1, "GPU": gpu_share}} if gpu_share else {}
     return ElasticTrainer(
         regression_loop,
         train_loop_config={"max_steps": pace.max_steps, "compute_s": pace.compute_s, "sleep_s": 0.005,
                            "gates": [(step, str(tmp_path / f"{name}-gate-{step}")) for step in gates]},
-        scaling_config=ScalingConfig(min_workers=workers[0], max_workers=workers[1]),
+        scaling_config=ScalingConfig(min_workers=workers[0], max_workers=workers[1], **gpu),
         run_config=RunConfig(
             name=name, storage_path=str(tmp_path),
             checkpoint_config=CheckpointConfig(every_steps=CHECKPOINT_EVERY, keep_last=2),
@@ -123,7 +125,7 @@ def references():
     return {pace: regression_reference(pace.max_steps, seed=DATA_SEED) for pace in (FAST, SLOW)}
 
 
-def run_cell(name, cell, pace, reference, tmp_path):
+def run_cell(name, cell, pace, reference, tmp_path, gpu_share=None):
     run_name = f"cell-{name}"
     killer = OutsideKiller(cell.kill, str(tmp_path), run_name, pace, seed=len(name)) if cell.kill else None
     if killer:
@@ -132,14 +134,14 @@ def run_cell(name, cell, pace, reference, tmp_path):
     if cell.newcomer:
         gates.append(NEWCOMER_GATE)
         conditions.append(workers_started(4))
-    result = fit_held(_trainer(tmp_path, run_name, pace, (1, 3), cell.faults, gates), *conditions)
+    result = fit_held(_trainer(tmp_path, run_name, pace, (1, 3), cell.faults, gates, gpu_share), *conditions)
     if killer:
         assert killer.done.wait(5) and killer.killed, "the outside kill never happened"
     assert result.step == pace.max_steps
     ledger = result.value["ledger"]
     assert torch.equal(ledger, torch.ones_like(ledger)), f"{name}: a sample was lost or seen twice"
     for key, value in reference["params"].items():
-        difference = (result.value["params"][key] - value).abs().max().item()
+        difference = (result.value["params"][key].cpu() - value).abs().max().item()
         assert difference < PARAM_TOLERANCE, f"{name}: {key} differs by {difference}"
     fired = sorted(e["fault"] for e in result.events_of("fault_injected"))
     assert fired == sorted(f.spec() for f in cell.faults), f"{name}: a fault never fired"

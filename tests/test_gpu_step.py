@@ -59,17 +59,20 @@ def test_a_steady_step_on_a_gpu_makes_the_host_wait_for_the_device_nowhere(tmp_p
     assert result.value["device"].startswith("cuda") and result.step == WARMUP + WATCHED + 2
 
 
-def test_a_snapshot_of_gpu_state_is_queued_without_the_host_waiting_and_holds_the_state_of_its_step():
+def test_a_snapshot_of_gpu_state_and_a_zero_shard_is_queued_without_the_host_waiting_and_holds_its_steps_state():
     state = {"w": torch.randn(1024, 1024, device="cuda", dtype=torch.float64),
              "m": torch.randn(333, device="cuda"), "rng": torch.get_rng_state()}  # a CPU tensor beside them
+    shard = {"tensors": {"exp_avg": torch.randn(4096, device="cuda")}, "steps": 2}  # a ZeRO optimizer's part
     before = {name: tensor.cpu() for name, tensor in state.items()}
+    shard_before = shard["tensors"]["exp_avg"].cpu()
     pool = HostBuffers()
     take_snapshot({"s": state}, {"step": 1}, pool=pool).release()  # the pool's pinned buffers, once
     torch.cuda.set_sync_debug_mode("error")
     try:
-        snapshot = take_snapshot({"s": state}, {"step": 2}, pool=pool)
+        snapshot = take_snapshot({"s": state}, {"step": 2}, pool=pool, optimizer_shard=shard)
         state["w"].add_(1.0)  # the next step's write, queued behind the copies on the same stream
         state["m"].mul_(0.0)
+        shard["tensors"]["exp_avg"].mul_(0.0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     snapshot.wait_copied()
@@ -78,6 +81,8 @@ def test_a_snapshot_of_gpu_state_is_queued_without_the_host_waiting_and_holds_th
     assert snapshot.buffers.keys() == expected.buffers.keys()
     for dtype, buffer in expected.buffers.items():
         assert torch.equal(snapshot.buffers[dtype], buffer), dtype
+    copied = snapshot.optimizer_shard["tensors"]["exp_avg"]
+    assert copied.is_pinned() and torch.equal(copied, shard_before) and snapshot.optimizer_shard["steps"] == 2
     snapshot.release()
 
 

@@ -112,6 +112,7 @@ def regression_loop(config: dict) -> dict:
                 counts[mb.indices] += 1
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 mb.backward(loss * float("inf") if overflow else loss)
+            counts = counts.to(ctx.device)  # NCCL sums device tensors only
             dist.all_reduce(counts)
             raise_inside(config, ctx.rank, step.index)
             optimizer.step()
@@ -124,7 +125,7 @@ def regression_loop(config: dict) -> dict:
                 dist.all_gather_object(agreed, unchanged)
                 if agreed != [True] * ctx.world_size:
                     raise AssertionError(f"step {step.index} with an inf loss was skipped by ranks {agreed} only")
-            ledger[step.cursor.epoch] += counts
+            ledger[step.cursor.epoch] += counts.cpu()
 
         bad_rank, bad_step = config.get("raise_from", (-1, 0))
         if ctx.rank == bad_rank and step.index >= bad_step:
@@ -140,7 +141,7 @@ def regression_loop(config: dict) -> dict:
         check_synced(ctx, synced_at)  # the run's last step ends with a sync
     with torch.no_grad():
         x, y = dataset.tensors
-        final_loss = torch.nn.functional.mse_loss(model.module(x), y).item()
+        final_loss = torch.nn.functional.mse_loss(model.module(x.to(ctx.device)), y.to(ctx.device)).item()
     return {
         "params": ctx.model_state_dict(),  # whole in any layout: ZeRO-3's shards gathered on every rank
         "ledger": ledger.clone(),
@@ -202,7 +203,7 @@ def pipeline_loop(config: dict) -> dict:
             loss = model.step(batch)
             optimizer.step()
             optimizer.zero_grad()
-            ledger[step.cursor.epoch] += counts
+            ledger[step.cursor.epoch] += counts.cpu()
         if loss is not None:
             losses[step.index] = loss.item()
             elastic.report({"loss": loss.item()})
@@ -242,7 +243,7 @@ def tensor_parallel_loop(config: dict) -> dict:
             dist.all_reduce(counts)  # before the optimizer's step, which averages the slices across replicas
             optimizer.step()
             optimizer.zero_grad()
-            ledger[step.cursor.epoch] += counts
+            ledger[step.cursor.epoch] += counts.cpu()
         hold_at_gate(config, step.index)
     return {"ledger": ledger.clone(), "model": ctx.model_state_dict()}
 
@@ -373,12 +374,13 @@ def streaming_loop(config: dict) -> dict:
                 counts[mb.indices] += 1
                 loss = torch.nn.functional.mse_loss(model(mb.data["x"]).squeeze(1), mb.data["y"])
                 mb.backward(loss * scale)
+            counts = counts.to(ctx.device)  # NCCL sums device tensors only
             dist.all_reduce(counts)
             raise_inside(config, ctx.rank, step.index)
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
-            ledger[step.cursor.epoch] += counts
+            ledger[step.cursor.epoch] += counts.cpu()
         time.sleep(config.get("sleep_s", 0.0))
         hold_at_gate(config, step.index)
     return {

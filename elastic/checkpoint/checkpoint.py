@@ -136,6 +136,7 @@ class Snapshot:
     world_size: int = 1
     pool: HostBuffers | None = None  # where its buffers go back once it is written or skipped
     copied: Any = None  # a CUDA event recorded after the copies from the GPU, which the host did not wait for
+    optimizer_shard: dict[str, Any] | None = None  # a copy of this rank's part of a ZeRO optimizer's state
 
     def wait_copied(self) -> None:
         """Return once the buffers hold the state: at once for state on CPUs, else when the GPU's copies landed."""
@@ -150,8 +151,9 @@ class Snapshot:
 
 
 def take_snapshot(states: dict[str, Any], progress: dict[str, Any], rank: int = 0, world_size: int = 1,
-                  pool: HostBuffers | None = None) -> Snapshot:
-    """Copy to CPU the share of the state that `rank` of `world_size` writes (by default, all of it).
+                  pool: HostBuffers | None = None, optimizer_shard: dict[str, Any] | None = None) -> Snapshot:
+    """Copy to CPU the share of the state that `rank` of `world_size` writes (by default, all of it),
+    and `optimizer_shard`, this rank's part of a ZeRO optimizer's state (the live tensors).
 
     Training waits for this copy, so it is a single one: each tensor's part goes straight into
     a buffer for the share, from `pool` where one is given (reused, and pinned for GPU state:
@@ -163,7 +165,8 @@ def take_snapshot(states: dict[str, Any], progress: dict[str, Any], rank: int = 
     device), and an event is recorded after them: whoever reads the buffers waits for it
     (`Snapshot.wait_copied`: the writer's thread). The next step's kernels queue behind the copies
     on the same stream, so nothing writes the state (the optimizer's step, BatchNorm's statistics in
-    a forward, a heal's broadcast) before it is copied.
+    a forward, a heal's broadcast) before it is copied. The optimizer shard's GPU tensors go the
+    same way into pinned memory from torch's caching host allocator, before the event.
     """
     structure, tensors = describe({"progress": progress, "state": states})
     buffers = {}
@@ -175,11 +178,32 @@ def take_snapshot(states: dict[str, Any], progress: dict[str, Any], rank: int = 
         queued = pinned and buffer is not None
         buffers[dtype] = gather(parts, start, stop, torch.device("cpu"), buffer, non_blocking=queued)
         from_gpu |= queued
+    shard = _host_copy(optimizer_shard) if optimizer_shard is not None else None
+    from_gpu |= shard is not None and any(t.is_cuda for t in _leaves(optimizer_shard))
     copied = None
     if from_gpu:
         copied = torch.cuda.Event()
         copied.record()
-    return Snapshot(progress["step"], progress, structure, buffers, rank, world_size, pool, copied)
+    return Snapshot(progress["step"], progress, structure, buffers, rank, world_size, pool, copied, shard)
+
+
+def _host_copy(value: Any) -> Any:
+    """`value` with every tensor copied to the host: from a GPU into pinned memory, queued."""
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            return torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _host_copy(item) for key, item in value.items()}
+    return value
+
+
+def _leaves(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
 
 
 def shard_chunks(snapshot: Snapshot, rank: int, world_size: int) -> dict[str, torch.Tensor]:
@@ -446,15 +470,14 @@ class CheckpointWriter:
 
     def submit(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
                user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: Callable[[], None] | None = None,
-               optimizer_shard: dict[str, Any] | None = None,
                reported_files: dict[str, bytes] | Callable[[], dict[str, bytes]] | None = None,
                generation: int = 0, part: Part | None = None) -> None:
-        """Write this rank's shard (and `optimizer_shard`, its part of a ZeRO optimizer's state, a
-        copy; on rank 0 the user's files and the `reported_files` of elastic.report, or what reads
-        them) in the background, without waiting."""
+        """Write this rank's shard (and the snapshot's copy of its part of a ZeRO optimizer's state;
+        on rank 0 the user's files and the `reported_files` of elastic.report, or what reads them)
+        in the background, without waiting."""
         upload = _Upload(snapshot, rank, world_size, generation, functools.partial(
             self._write, snapshot, rank, world_size, stall_s, dict(user_files), dict(metadata), crash_midway,
-            optimizer_shard, reported_files or {}, generation, part))
+            reported_files or {}, generation, part))
         with self._changed:
             replaced, self._waiting = self._waiting, upload
             if replaced is not None:
@@ -495,10 +518,10 @@ class CheckpointWriter:
 
     def _write(self, snapshot: Snapshot, rank: int, world_size: int, stall_s: float,
                user_files: dict[str, bytes], metadata: dict[str, Any], crash_midway: Callable[[], None] | None,
-               optimizer_shard: dict[str, Any] | None,
                reported_files: dict[str, bytes] | Callable[[], dict[str, bytes]], generation: int,
                part: Part | None) -> None:
         snapshot.wait_copied()
+        optimizer_shard = snapshot.optimizer_shard
         started = time.perf_counter()
         folder = checkpoint_storage(self.run, snapshot.step)
         report: dict[str, Any] = {"step": snapshot.step, "rank": rank, "world_size": world_size,

@@ -67,7 +67,7 @@ class ZeRO(Technique):
 
     def optimizer_shard(self) -> dict[str, Any] | None:
         holder = self._holder()
-        return _copied(holder.sharded_state_dict()) if holder is not None else None
+        return holder.sharded_state_dict() if holder is not None else None
 
     def on_module_rebuilt(self, told: Callable[[torch.nn.Module], None]) -> None:
         self._sharded.on_rebuilt = told
@@ -79,11 +79,3 @@ class ZeRO(Technique):
         """What holds the shards: the sharded optimizer (stage 1) or the sharded model (2, 3); None before."""
         return self._optimizer if self._optimizer is not None else self._sharded
 
-
-def _copied(value: Any) -> Any:
-    """`value` with every tensor cloned to CPU: a checkpoint is written while training goes on."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
-    return value

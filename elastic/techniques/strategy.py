@@ -210,7 +210,7 @@ class Techniques:
         return states, progress
 
     def optimizer_shard(self) -> dict[str, Any] | None:
-        """A copy of this rank's part of ZeRO's sharded state, for the checkpoint's writer."""
+        """This rank's part of ZeRO's sharded state, the live tensors: a snapshot copies them."""
         return next((shard for t in self._all if (shard := t.optimizer_shard()) is not None), None)
 
     # --- a sharded model -----------------------------------------------------------------

@@ -143,7 +143,7 @@ class Technique:
         return None
 
     def optimizer_shard(self) -> dict[str, Any] | None:
-        """A copy of this rank's part of a sharded optimizer state, for the checkpoint's writer."""
+        """This rank's part of a sharded optimizer state, the live tensors: a snapshot copies them."""
         return None
 
     # --- a sharded model ---------------------------------------------------------------------

@@ -133,7 +133,7 @@ class Snapshots:
         if kept is None:
             return  # local SGD has not synced since the last checkpoint: nothing new to keep
         self._taken_step = self._progress.step
-        snapshot = take_snapshot(*kept, pool=self._buffers)
+        snapshot = take_snapshot(*kept, pool=self._buffers, optimizer_shard=self._techniques.optimizer_shard())
         membership = self._membership
         rank = membership.rank
         if rank == 0 and self._reported_files is None:
@@ -141,13 +141,12 @@ class Snapshots:
             # read from the store by the writer's thread, once.
             latest = self._latest_checkpoint()
             self._reported_files = functools.cache(latest.read_reported) if latest is not None else {}
-        optimizer_shard = self._techniques.optimizer_shard()
         crash = self._faults.crash_checkpoint(rank, self._progress.step)
         # Never waits for the store: a snapshot taken while the last one uploads waits in the
         # writer, replacing any older one still waiting (`CheckpointWriter`).
         self._writer.submit(snapshot, rank, membership.world_size, time.perf_counter() - started,
                             self._files, self._metadata, crash_midway=die if crash else None,
-                            optimizer_shard=optimizer_shard, reported_files=self._reported_files,
+                            reported_files=self._reported_files,
                             generation=membership.generation,
                             part=self._model().checkpoint_part(membership.replica_rank, membership.num_replicas))
         self._last_checkpoint = time.monotonic()
