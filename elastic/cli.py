@@ -4,6 +4,7 @@
     elastic demo --inject none --steps 100     # no fault
     elastic demo --inject kill:rank=0,step=50 --summary-json /tmp/demo.json
     elastic demo --pipeline-stages 2           # 1-2 replicas of 2 stages; a stage's death takes out its replica
+    elastic demo --use-gpu                     # over NCCL; 2-3 workers share the GPU where there is one
 
     elastic status demo                        # state, world size, step, goodput, recent events
     elastic events demo --type worker_failed --type generation_formed [--json]
@@ -111,6 +112,9 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--overlap-optimizer", action="store_true", default=strategy.overlap_optimizer,
                       help="step the optimizer on each gradient bucket as its all-reduce lands, for links slower "
                       "than compute")
+    demo.add_argument("--use-gpu", action="store_true",
+                      help="train on GPUs over NCCL; with fewer GPUs than --max-workers the workers share them (a "
+                      "mode for tests and small runs: NCCL's network transport, not NVLink)")
     demo.add_argument("--storage-path", default=defaults.storage_path, help="where run folders go (default: %(default)s)")
     demo.add_argument("--name", default=defaults.name,
                       help="run name; an earlier run of this name is replaced (default: %(default)s)")
@@ -138,7 +142,7 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     fields = dict(
         name=args.name, storage_path=args.storage_path, address=args.address, data_dir=args.data_dir,
         pipeline_stages=args.pipeline_stages, tensor_parallel=args.tensor_parallel, min_workers=args.min_workers,
-        max_workers=args.max_workers,
+        max_workers=args.max_workers, use_gpu=args.use_gpu,
         steps=args.steps, faults=[f for f in injected if f is not None],
         strategy={"precision": args.precision, "compression": args.compression, "sync": args.sync, "zero": args.zero,
                   "overlap_optimizer": args.overlap_optimizer},

@@ -1,10 +1,13 @@
 """`elastic demo` argument handling: usage errors exit 2 with a fix, and never start Ray."""
 
 import json
+import math
 
 import pytest
 
 from elastic import cli
+from elastic.demo.train import DemoConfig, worker_gpu_share
+from elastic.errors import ElasticError
 from elastic.faults import Fault
 
 pytestmark = pytest.mark.timeout(60)
@@ -141,3 +144,23 @@ def test_the_demo_refuses_pipeline_stages_and_tensor_parallel_together(runs, cap
     err = usage_error(["demo", "--pipeline-stages", "2", "--tensor-parallel", "2"], capsys)
     assert "the demo runs pipeline_stages or tensor_parallel, not both" in err
     assert runs == []
+
+
+def test_use_gpu_shares_the_gpus_among_the_demos_workers(runs):
+    assert cli.main(["demo", "--use-gpu", "--inject", "none"]) == 0
+    config = runs[0]
+    assert config.use_gpu
+    resources = config.scaling_config(gpus=1).worker_resources()
+    assert resources["GPU"] == pytest.approx(1 / 3) and config.scaling_config(gpus=1).use_gpu
+    assert not DemoConfig().scaling_config().use_gpu
+
+
+@pytest.mark.parametrize("gpus, share", [(1, 1 / 3), (2, 1 / 2), (3, 1.0), (8, 1.0)])
+def test_each_demo_worker_gets_a_share_of_a_gpu_that_lets_all_three_fit(gpus, share):
+    assert worker_gpu_share(gpus, 3) == pytest.approx(share)
+    assert math.floor(1 / share) * gpus >= 3  # whole shares per GPU, times the GPUs, hold every worker
+
+
+def test_use_gpu_without_a_gpu_in_the_cluster_is_refused_naming_the_fix():
+    with pytest.raises(ElasticError, match="has 0 GPUs: drop --use-gpu, or run it on a machine or Ray cluster"):
+        worker_gpu_share(0, 3)

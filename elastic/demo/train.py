@@ -13,6 +13,7 @@ given, runs `ElasticTrainer.fit()` and condenses the run's events into a summary
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any
@@ -28,6 +29,7 @@ from elastic.config import (
 )
 from elastic.demo.corpus import DEFAULT_MAX_BYTES, DEFAULT_SEQ_LEN, prepare_corpus
 from elastic.demo.model import ModelConfig, TinyLM, next_byte_loss, next_byte_pairs
+from elastic.errors import ElasticError
 from elastic.faults import Fault, check_faults
 from elastic.journal.events import events_of
 from elastic.parallel.pipeline import VIRTUAL_STAGES
@@ -69,6 +71,9 @@ class DemoConfig(BaseModel):
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
     seed: int = Field(0, description="Seed of the model's initial weights and of the data order.")
     checkpoint_every: int = Field(50, gt=0, description="Steps between durable checkpoints (one is also written at the end).")
+    use_gpu: bool = Field(False, description=(
+        "Train on GPUs over NCCL. Where the Ray cluster has fewer GPUs than max_workers, workers share them, each a "
+        "host of its own to NCCL (its network transport: a mode for tests and small runs)."))
     faults: list[Fault] = Field(default_factory=list, description="Faults to inject (see elastic.faults).")
     strategy: Strategy = Field(default_factory=Strategy, description="Precision, compression and sync (docs/techniques.md).")
 
@@ -90,7 +95,7 @@ class DemoConfig(BaseModel):
         # Surface every cross-field problem now, in the driver, before Ray starts anything.
         if self.replica_size > 1:
             self._check_replicas()
-        scaling = self.scaling_config()
+        scaling = self.scaling_config(gpus=self.max_workers)  # the GPUs are counted once Ray runs (run_demo)
         check_fits(scaling, self.data_config())
         check_strategy_fits(self.strategy, self.run_config().checkpoint_config)
         check_replicas_fit(scaling, self.data_config(), self.strategy)
@@ -134,9 +139,12 @@ class DemoConfig(BaseModel):
         """Whether a death leaves a replica training: more than one replica at most."""
         return self.max_workers > self.replica_size
 
-    def scaling_config(self) -> ScalingConfig:
+    def scaling_config(self, gpus: float = 0.0) -> ScalingConfig:
+        """The run's scaling; with use_gpu, each worker's share of the cluster's `gpus` (`worker_gpu_share`)."""
+        gpu = {"use_gpu": True, "resources_per_worker": {"CPU": 1, "GPU": worker_gpu_share(gpus, self.max_workers)}} \
+            if self.use_gpu else {}
         return ScalingConfig(min_workers=self.min_workers, max_workers=self.max_workers,
-                             pipeline_stages=self.pipeline_stages, tensor_parallel=self.tensor_parallel)
+                             pipeline_stages=self.pipeline_stages, tensor_parallel=self.tensor_parallel, **gpu)
 
     def data_config(self) -> DataConfig:
         # Pipelined replicas cut their shares into equal micro-batches: an epoch's short last step is dropped.
@@ -149,6 +157,15 @@ class DemoConfig(BaseModel):
         every = self.strategy.sync_options.get("every", 1)
         return RunConfig(name=self.name, storage_path=self.storage_path,
                          checkpoint_config=CheckpointConfig(every_steps=-(-self.checkpoint_every // every) * every))
+
+
+def worker_gpu_share(gpus: float, max_workers: int) -> float:
+    """Each worker's share of a GPU when `max_workers` workers train on `gpus` GPUs: a whole one where
+    there are enough, else an equal share that lets every worker fit (1/2 each for 3 workers on 2 GPUs)."""
+    if gpus < 1:
+        raise ElasticError(f"the demo was asked to train on GPUs (use_gpu, --use-gpu), but the Ray cluster has "
+                           f"{gpus:g} GPUs: drop --use-gpu, or run it on a machine or Ray cluster with a GPU")
+    return 1.0 if gpus >= max_workers else 1 / math.ceil(max_workers / int(gpus))
 
 
 def default_fault(steps: int) -> Fault:
@@ -221,10 +238,18 @@ def run_demo(config: DemoConfig, show_progress: bool = True) -> dict[str, Any]:
     """Run the demo to its end and return its summary; raises what `ElasticTrainer.fit()` raises."""
     # Building the corpus here fails fast on a bad data_dir and saves the workers the work.
     prepare_corpus(config.data_dir, config.seq_len, config.max_bytes)
+    if not (config.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
+        # address="local": a new instance even when a `ray start` cluster runs here (join that
+        # one with address="auto"). Logical CPUs: each worker asks for 1, so 2 cores host 3
+        # workers. No dashboard: it costs seconds of start-up and a core's worth of CPU.
+        ray.init(address="local", num_cpus=max(config.max_workers, 2), include_dashboard=False)
+    elif config.use_gpu and not ray.is_initialized():
+        ray.init(address=config.address)  # to count the cluster's GPUs; the trainer joins the same one
+    gpus = ray.cluster_resources().get("GPU", 0.0) if config.use_gpu else 0.0
     trainer = elastic.ElasticTrainer(
         pipelined_train_loop if config.pipeline_stages > 1 else train_loop,
         train_loop_config=config.model_dump(),
-        scaling_config=config.scaling_config(),
+        scaling_config=config.scaling_config(gpus),
         run_config=config.run_config(),
         data_config=config.data_config(),
         strategy=config.strategy,
@@ -232,11 +257,6 @@ def run_demo(config: DemoConfig, show_progress: bool = True) -> dict[str, Any]:
         address=config.address,
         show_progress=show_progress,
     )
-    if not (config.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
-        # address="local": a new instance even when a `ray start` cluster runs here (join that
-        # one with address="auto"). Logical CPUs: each worker asks for 1, so 2 cores host 3
-        # workers. No dashboard: it costs seconds of start-up and a core's worth of CPU.
-        ray.init(address="local", num_cpus=max(config.max_workers, 2), include_dashboard=False)
     started = time.time()
     result = trainer.fit()
     return summarize(result, config, started)
