@@ -4,7 +4,8 @@ Twenty steady steps run under `torch.cuda.set_sync_debug_mode("error")`, which r
 call that makes the host wait for the device; the loop itself makes none (it reads no loss), so
 an error names a call of elastic's, and fails the run with its traceback. Two checkpoints fall in
 them: a snapshot queues its copies to the pinned host buffers without waiting (part 2). Skipped
-without CUDA; `sh tests/gpu_check.sh` runs it where there is a GPU.
+without CUDA; `sh tests/gpu_check.sh` runs it where there is a GPU. A profile of the same steps
+(no checkpoint due) must hold no CUDA runtime call that makes the host wait, on any thread.
 """
 
 import sys
@@ -57,6 +58,53 @@ def test_a_steady_step_on_a_gpu_makes_the_host_wait_for_the_device_nowhere(tmp_p
         show_progress=False,
     ).fit()
     assert result.value["device"].startswith("cuda") and result.step == WARMUP + WATCHED + 2
+
+
+# CUDA runtime calls that make the host wait for the device (cudaMemcpy: the blocking copy).
+SYNCHRONIZING = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                           "cudaMemcpy2D"})
+
+
+def profiled_loop(config: dict) -> dict:
+    """The watched steps under torch.profiler: every synchronizing CUDA runtime call the process made, with its
+    count. No checkpoint is due, so no thread of elastic's has a reason to wait for the device."""
+    ctx = elastic.get_context()
+    model = ctx.prepare_model(build_mlp())
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                  torch.profiler.ProfilerActivity.CUDA])
+    for step in ctx.steps(regression_data()):
+        if step.index == WARMUP:
+            profiler.start()
+        with step:
+            for mb in step.micro_batches():
+                mb.backward(torch.nn.functional.mse_loss(model(mb.data[0]), mb.data[1]))
+            optimizer.step()
+            optimizer.zero_grad()
+        if step.index == WARMUP + WATCHED - 1:
+            profiler.stop()
+    calls: dict[str, int] = {}
+    for event in profiler.events():
+        if event.name in SYNCHRONIZING:
+            calls[event.name] = calls.get(event.name, 0) + 1
+    # The profile saw the device's work at all: the kernels the steps launched.
+    launches = sum(event.name.startswith(("cudaLaunchKernel", "cuLaunchKernel")) for event in profiler.events())
+    return {"synchronizing": calls, "launches": launches}
+
+
+def test_a_profile_of_steady_steps_on_a_gpu_holds_no_call_that_makes_the_host_wait(tmp_path):
+    # Issue 40, part 1: what the sync debug mode does not see (a stream or event synchronize of
+    # another library, a thread of elastic's) shows up in the CUDA runtime calls the profiler records.
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    result = ElasticTrainer(
+        profiled_loop,
+        scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
+        run_config=RunConfig(name="gpu-profiled", storage_path=str(tmp_path)),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=WARMUP + WATCHED + 2),
+        show_progress=False,
+    ).fit()
+    assert result.value["launches"] > 0 and result.value["synchronizing"] == {}, result.value
 
 
 def test_a_snapshot_of_gpu_state_and_a_zero_shard_is_queued_without_the_host_waiting_and_holds_its_steps_state():
