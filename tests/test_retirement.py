@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 from elastic.comm.generation import GenerationGroup
-from elastic.comm.group import GenerationSpec, GradientAllReduce, forget_every_group, form_group, leave_group, rendezvous
+from elastic.comm.group import (
+    GenerationSpec, GradientAllReduce, forget_every_group, form_group, leave_group, rendezvous,
+)
 from elastic.comm.links import GroupLinks
 from elastic.comm.retirement import Retirement, retirement
 from gloo_processes import client, spawn
