@@ -1,9 +1,9 @@
 """What keeps an NCCL survivor alive, checked where it can be without GPUs.
 
 The watchdog mode must never tear the process down, and the control thread's abort of a
-stale communicator must hit only the generation it was meant for, never its replacement.
-The GPU paths themselves run in tests/test_generations.py where CUDA exists, and in
-`benchmarks/gpu_check.sh` on a GPU machine.
+stale communicator (handed to the retirement thread, `elastic.comm.retirement`) must hit only
+the generation it was meant for, once, never its replacement. The GPU paths themselves run in
+tests/test_generations.py where CUDA exists, through `sh tests/gpu_check.sh` on a GPU machine.
 """
 
 import os
