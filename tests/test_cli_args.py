@@ -164,3 +164,8 @@ def test_each_demo_worker_gets_a_share_of_a_gpu_that_lets_all_three_fit(gpus, sh
 def test_use_gpu_without_a_gpu_in_the_cluster_is_refused_naming_the_fix():
     with pytest.raises(ElasticError, match="has 0 GPUs: drop --use-gpu, or run it on a machine or Ray cluster"):
         worker_gpu_share(0, 3)
+
+
+def test_use_gpu_with_an_overlapped_optimizer_is_a_usage_error_before_ray_starts(runs, capsys):
+    error = usage_error(["demo", "--use-gpu", "--overlap-optimizer"], capsys)
+    assert "overlap_optimizer=True) with use_gpu=True is not built" in error and not runs

@@ -41,7 +41,7 @@ def test_a_stale_abort_hits_the_captured_group_and_never_the_one_that_replaced_i
     assert retirement.wait_idle(30)
     assert aborted == [], "the current generation was aborted by an offer of itself"
     ctx.abort_stale_group(4)
-    ctx.abort_stale_group(5)  # a second offer while the first abort runs: one abort is enough
+    ctx.abort_stale_group(5)  # a second offer: the group was handed over at the first
     assert retirement.wait_idle(30)
     assert aborted == ["old"]
     ctx.membership._group = _generation(4, new)  # the train thread formed generation 4 meanwhile

@@ -10,6 +10,7 @@ it must finish while the stale abort is still under way, and that abort must sti
 """
 
 import threading
+import time
 
 import pytest
 import torch
@@ -80,15 +81,18 @@ def test_a_heal_forms_and_trains_the_next_generation_while_the_stale_communicato
                                  "error": "the controller offered generation 1"}, results
 
 
-def test_aborts_run_one_batch_after_another_never_two_at_once():
+def test_aborts_run_one_batch_after_another_never_two_at_once_the_control_threads_before_those_queued():
     release, log = threading.Event(), []
     retiring = Retirement()
     retiring.retire([HeldAbort(release, log, "first")])
-    retiring.retire([HeldAbort(release, log, "second")])
+    while not log:  # the first batch is under way
+        time.sleep(0.001)
+    retiring.retire([HeldAbort(release, log, "queued")])
+    retiring.retire([HeldAbort(release, log, "urgent")], urgent=True)
     threading.Timer(0.2, release.set).start()  # time enough for a second abort to begin, if it could
     assert retiring.wait_idle(30)
-    assert log == ["first began", "first ended", "second began", "second ended"]
-    assert len(retiring.seconds) == 2
+    assert log == ["first began", "first ended", "urgent began", "urgent ended", "queued began", "queued ended"]
+    assert len(retiring.seconds) == 3
 
 
 def _registries():
@@ -109,19 +113,21 @@ def _forgetting_rank(rank, port, results):
     store = client(port)
     spec = _spec(0, rank, port, world_size=1)
     form_group(spec, store)
-    dist.new_group([0])
+    dist.new_group([0]), dist.new_group([0])
     dist.distributed_c10d._abort_process_group()
     aborted = _registries()
     form_group(_spec(1, rank, port, world_size=1), store)
-    dist.new_group([0])
+    default = dist.group.WORLD
+    subgroups = [dist.new_group([0]), dist.new_group([0])]
     groups = forget_every_group()
+    order = [default, *reversed(subgroups)] == groups  # the same on every rank: the default group first
     forgotten = _registries()
     form_group(_spec(2, rank, port, world_size=1), store)
     total = torch.ones(1)
     dist.all_reduce(total)
     old = torch.ones(1)
-    dist.all_reduce(old, group=groups[-1])  # forgotten, not aborted: the old default group still works
-    results[rank] = {"same": forgotten == aborted, "forgotten": forgotten, "aborted": aborted,
+    dist.all_reduce(old, group=default)  # forgotten, not aborted: the old default group still works
+    results[rank] = {"same": forgotten == aborted, "forgotten": forgotten, "aborted": aborted, "order": order,
                      "groups": len(groups), "name": dist.group.WORLD.group_name, "sums": (total.item(), old.item())}
     leave_group("gloo", groups)
 
@@ -130,4 +136,4 @@ def test_forgetting_every_group_clears_what_torchs_abort_clears_and_aborts_nothi
     result = spawn(_forgetting_rank, nprocs=1)[0]
     assert result["same"], result
     assert result["forgotten"][2] is False
-    assert (result["groups"], result["name"], result["sums"]) == (2, "0", (1.0, 1.0)), result
+    assert (result["groups"], result["order"], result["name"], result["sums"]) == (3, True, "0", (1.0, 1.0)), result

@@ -191,7 +191,7 @@ def _host_copy(value: Any) -> Any:
     """`value` with every tensor copied to the host: from a GPU into pinned memory, queued."""
     if isinstance(value, torch.Tensor):
         if value.is_cuda:
-            return torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
+            return torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value.detach(), non_blocking=True)
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
         return {key: _host_copy(item) for key, item in value.items()}

@@ -68,9 +68,9 @@ class GenerationGroup:
             self.links.sever()
         elif first:
             # The captured group, never torch's current one, which may already be its replacement.
-            # Its abort flag frees a kernel waiting on a dead peer at once; the abort itself lasts
-            # about a second and runs on the retirement thread.
-            retirement.retire([self.world])
+            # Its abort flag frees a kernel waiting on a dead peer; the abort itself lasts about a
+            # second and runs on the retirement thread, before any batch still queued there.
+            retirement.retire([self.world], urgent=True)
 
     def errored(self) -> str | None:
         """Why this generation's groups failed, from facts (see the module's docstring); None while sound."""

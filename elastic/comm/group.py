@@ -345,7 +345,15 @@ def leave_group(backend: str, held: list[Any] | None = None) -> None:
 
 def forget_every_group() -> list[dist.ProcessGroup]:
     """Take every process group out of torch's registry without aborting or destroying any, and
-    return them, the newest first (the order torch aborts them in).
+    return them in the order every rank aborts them: the default group first, then the others by
+    name, reversed.
+
+    The order is the same on every rank, because an NCCL abort can wait for the node's other ranks
+    to abort the same communicator (NCCL's proxy thread stays while peers keep connections to it,
+    https://github.com/NVIDIA/nccl/issues/863): two ranks aborting two groups in opposite orders
+    would wait for each other (https://github.com/pytorch/pytorch/issues/119797). The default group
+    comes first because the control thread's abort of a stale generation (`GenerationGroup.abort`)
+    aborts it alone, ahead of whatever else is queued.
 
     It clears what torch 2.13's `_abort_process_group()` clears after its aborts
     (torch/distributed/distributed_c10d.py), so that the next generation's `init_process_group`
@@ -354,11 +362,13 @@ def forget_every_group() -> list[dist.ProcessGroup]:
     """
     c10d = dist.distributed_c10d
     world = c10d._world
-    groups = sorted(world.pg_names, key=lambda group: world.pg_names[group], reverse=True)
+    default = world.default_pg
+    others = sorted((group for group in world.pg_names if group is not default),
+                    key=lambda group: world.pg_names[group], reverse=True)
     c10d._update_default_pg(None)
     for registry in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag,
                      world.tags_to_pg, world.pg_coalesce_state):
         registry.clear()
     c10d._unregister_all_process_groups()
     world.group_count = 0
-    return groups
+    return ([default] if default is not None else []) + others

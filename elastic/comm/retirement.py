@@ -16,12 +16,13 @@ and trains the next generation:
   threads) run here too.
 
 Batches are aborted one after another, never two at once: concurrent aborts hung before NCCL 2.19
-(https://github.com/NVIDIA/nccl/issues/992). A batch's groups are aborted between
-`ncclGroupStart` and `ncclGroupEnd`, as torch's `_abort_process_group` does, because aborts of
-several communicators could otherwise deadlock each other
-(https://github.com/pytorch/pytorch/issues/119797). The thread is not a daemon, so the interpreter
-waits for an abort under way at exit instead of tearing NCCL down under it; it ends once nothing
-is queued.
+(https://github.com/NVIDIA/nccl/issues/992). torch's `ProcessGroupNCCL::abort` itself aborts a
+group's communicators together, between `ncclGroupStart` and `ncclGroupEnd` (NCCL 2.22 and later),
+on a thread of its own. The control thread's batch, which is what frees a kernel waiting on a dead
+peer, goes before any batch still queued; one already under way is finished first (about a second:
+a second death within a second of a heal waits that long). The thread is not a daemon, so the
+interpreter waits for an abort under way at exit instead of tearing NCCL down under it; it ends
+once nothing is queued.
 """
 
 from __future__ import annotations
@@ -32,9 +33,6 @@ import threading
 import time
 from collections.abc import Iterable
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 _log = logging.getLogger(__name__)
 
@@ -49,14 +47,20 @@ class Retirement:
         self._thread: threading.Thread | None = None
         self.seconds: list[float] = []  # each batch's abort, in the order they ran
 
-    def retire(self, communicators: Iterable[Any], held: Iterable[Any] = ()) -> None:
+    def retire(self, communicators: Iterable[Any], held: Iterable[Any] = (), urgent: bool = False) -> None:
         """Abort `communicators` (process groups, or anything else with `abort()`) on the retirement
-        thread, then let go of them and of `held`; returns at once."""
+        thread, then let go of them and of `held`; returns at once. `urgent`: before the batches
+        still queued (the control thread's abort, which frees kernels waiting on a dead peer)."""
+        batch = (list(communicators), list(held))
         with self._lock:
-            self._batches.append((list(communicators), list(held)))
+            if urgent:
+                self._batches.appendleft(batch)
+            else:
+                self._batches.append(batch)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="elastic-retire")
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="elastic-retire")
+                thread.start()
+                self._thread = thread
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until every batch handed over so far was aborted; False if `timeout_s` passed first."""
@@ -72,38 +76,15 @@ class Retirement:
                     return
                 communicators, held = self._batches.popleft()
             began = time.perf_counter()
-            try:
-                _abort_together(communicators)
-            except Exception as exc:  # an abort that fails leaves the communicator to its destructor
-                _log.warning("aborting %d stale communicators failed: %s: %s", len(communicators),
-                             type(exc).__name__, exc)
+            for communicator in communicators:
+                try:
+                    communicator.abort()
+                except Exception as exc:  # the others are still aborted; this one is left to its destructor
+                    _log.warning("aborting a stale communicator failed: %s: %s", type(exc).__name__, exc)
             self.seconds.append(time.perf_counter() - began)
             # The last references go here, not on the train thread (see the module's docstring).
             communicators.clear()
             held.clear()
-
-
-def _abort_together(communicators: list[Any]) -> None:
-    starter = next(filter(None, map(_nccl_backend, communicators)), None)
-    if starter is not None:
-        starter._group_start()
-    try:
-        for communicator in communicators:
-            communicator.abort()
-    finally:
-        if starter is not None:
-            starter._group_end()
-
-
-def _nccl_backend(communicator: Any) -> Any:
-    """`communicator`'s NCCL backend, if it is a process group that has one."""
-    if not isinstance(communicator, dist.ProcessGroup) or not dist.is_nccl_available():
-        return None
-    try:
-        backend = communicator._get_backend(torch.device("cuda"))
-    except RuntimeError:
-        return None
-    return backend if isinstance(backend, dist.ProcessGroupNCCL) else None
 
 
 # One per process: NCCL's communicators are the process's, and their aborts must not overlap.

@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import elastic
 from elastic.config import (
-    CheckpointConfig, DataConfig, RunConfig, ScalingConfig, Strategy, check_fits, check_replicas_fit, replica_words,
-    check_strategy_fits,
+    CheckpointConfig, DataConfig, RunConfig, ScalingConfig, Strategy, check_devices_fit, check_fits, check_replicas_fit,
+    check_strategy_fits, replica_words,
 )
 from elastic.demo.corpus import DEFAULT_MAX_BYTES, DEFAULT_SEQ_LEN, prepare_corpus
 from elastic.demo.model import ModelConfig, TinyLM, next_byte_loss, next_byte_pairs
@@ -98,6 +98,7 @@ class DemoConfig(BaseModel):
         scaling = self.scaling_config(gpus=self.max_workers)  # the GPUs are counted once Ray runs (run_demo)
         check_fits(scaling, self.data_config())
         check_strategy_fits(self.strategy, self.run_config().checkpoint_config)
+        check_devices_fit(scaling, self.strategy)
         check_replicas_fit(scaling, self.data_config(), self.strategy)
         check_faults(self.faults, self.steps, self.max_workers)
         return self
@@ -238,14 +239,10 @@ def run_demo(config: DemoConfig, show_progress: bool = True) -> dict[str, Any]:
     """Run the demo to its end and return its summary; raises what `ElasticTrainer.fit()` raises."""
     # Building the corpus here fails fast on a bad data_dir and saves the workers the work.
     prepare_corpus(config.data_dir, config.seq_len, config.max_bytes)
-    if not (config.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
-        # address="local": a new instance even when a `ray start` cluster runs here (join that
-        # one with address="auto"). Logical CPUs: each worker asks for 1, so 2 cores host 3
-        # workers. No dashboard: it costs seconds of start-up and a core's worth of CPU.
-        ray.init(address="local", num_cpus=max(config.max_workers, 2), include_dashboard=False)
-    elif config.use_gpu and not ray.is_initialized():
-        ray.init(address=config.address)  # to count the cluster's GPUs; the trainer joins the same one
-    gpus = ray.cluster_resources().get("GPU", 0.0) if config.use_gpu else 0.0
+    gpus = 0.0
+    if config.use_gpu:  # each worker's share of a GPU follows from the cluster's GPUs
+        _connect(config)
+        gpus = ray.cluster_resources().get("GPU", 0.0)
     trainer = elastic.ElasticTrainer(
         pipelined_train_loop if config.pipeline_stages > 1 else train_loop,
         train_loop_config=config.model_dump(),
@@ -257,9 +254,22 @@ def run_demo(config: DemoConfig, show_progress: bool = True) -> dict[str, Any]:
         address=config.address,
         show_progress=show_progress,
     )
+    _connect(config)
     started = time.time()
     result = trainer.fit()
     return summarize(result, config, started)
+
+
+def _connect(config: DemoConfig) -> None:
+    """Start the demo's own local Ray unless one runs or an address names a cluster (which `fit()` joins)."""
+    if config.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized():
+        if config.use_gpu and not ray.is_initialized():
+            ray.init(address=config.address)  # to count the cluster's GPUs; fit() stays in it
+        return
+    # address="local": a new instance even when a `ray start` cluster runs here (join that
+    # one with address="auto"). Logical CPUs: each worker asks for 1, so 2 cores host 3
+    # workers. No dashboard: it costs seconds of start-up and a core's worth of CPU.
+    ray.init(address="local", num_cpus=max(config.max_workers, 2), include_dashboard=False)
 
 
 def summarize(result: elastic.Result, config: DemoConfig, started: float) -> dict[str, Any]:
