@@ -168,8 +168,10 @@ def _generations_member(rank: int, world_size: int, port: int, results: Any) -> 
         leave_group("nccl")
         times["critical_path_s"].append(time.perf_counter() - healing)
     retirement.wait_idle()
-    # Two batches per generation: the control thread's abort, then the leave's, of a communicator already aborted.
-    times["abort_s"] = retirement.seconds[0::2]
+    # Two batches per generation: the control thread's abort, and the leave's of a communicator already aborted,
+    # which returns at once; the control thread's may run before an earlier leave's. Each generation's abort is
+    # one of the GENERATIONS longest.
+    times["abort_s"] = sorted(retirement.seconds)[-GENERATIONS:]
     results[rank] = times
 
 
