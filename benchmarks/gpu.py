@@ -31,8 +31,9 @@ median and max:
 - healing through Ray with ranks sharing the GPU (`benchmarks.gpu_heal`): `nccl_shared_gpu` (the
   recovery at 2 and 4 ranks, the grow pause) and `restart_after_every_worker_s`.
 
-`--cpu` runs only the last two, on CPUs over gloo (smaller models, longer runs): it checks the
-script's logic on a machine without a GPU, and its figures say nothing of a GPU.
+`--cpu` runs the generations (gloo groups on NCCL's path), the step contenders and the heals on
+CPUs over gloo (smaller models, longer runs): it checks the script's logic on a machine without a
+GPU, and its figures say nothing of a GPU.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.time()
     if args.cpu:
-        report = {"step": gpu_step.step_ratios(cpu=True, rounds=args.rounds), **gpu_heal.heal_figures(cpu=True)}
+        report = {"nccl_generations": {str(size): nccl_generations(size, cpu=True) for size in (1, 2, 4)},
+                  "step": gpu_step.step_ratios(cpu=True, rounds=args.rounds), **gpu_heal.heal_figures(cpu=True)}
         report.update(_provenance(command_line("benchmarks.gpu", argv), time.time() - started))
         return _write(report, args.out)
     if not torch.cuda.is_available():
@@ -119,11 +121,12 @@ def _write(report: dict[str, Any], out: str | None) -> int:
 
 
 # --- NCCL generations ---------------------------------------------------------------------------
-def nccl_generations(world_size: int) -> dict[str, Any]:
-    """Form, abort and re-form NCCL generations in the same processes, one per GPU."""
+def nccl_generations(world_size: int, cpu: bool = False) -> dict[str, Any]:
+    """Form, abort and re-form NCCL generations in the same processes, one per rank. `cpu`: gloo groups
+    stand in for NCCL's on the same path (`--cpu`: a check of the script, its figures none of NCCL's)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     results = mp.Manager().dict()
-    mp.start_processes(_generations_member, args=(world_size, store.port, results), nprocs=world_size,
+    mp.start_processes(_generations_member, args=(world_size, store.port, cpu, results), nprocs=world_size,
                        start_method="spawn")
     ranks = [results[r] for r in range(world_size)]
     # A generation is formed when its slowest member is: the most over ranks, per generation.
@@ -134,31 +137,32 @@ def nccl_generations(world_size: int) -> dict[str, Any]:
             "generations": GENERATIONS}
 
 
-def _generations_member(rank: int, world_size: int, port: int, results: Any) -> None:
+def _generations_member(rank: int, world_size: int, port: int, cpu: bool, results: Any) -> None:
+    from elastic.comm.binding import separate_ranks_sharing_a_gpu
     from elastic.comm.generation import GenerationGroup
     from elastic.comm.group import GenerationSpec, GradientAllReduce, StoreClient, form_group, leave_group, rendezvous
     from elastic.comm.links import GroupLinks
     from elastic.comm.retirement import retirement
 
-    from elastic.comm.binding import separate_ranks_sharing_a_gpu
-
-    gpus = torch.cuda.device_count()
-    torch.cuda.set_device(rank % gpus)
-    if world_size > gpus:
-        separate_ranks_sharing_a_gpu(rank, gpus / world_size)  # as a worker holding a share of a GPU does
+    device = torch.device("cpu") if cpu else torch.device("cuda", rank % torch.cuda.device_count())
+    if not cpu:
+        torch.cuda.set_device(device)
+        if world_size > torch.cuda.device_count():  # as a worker holding a share of a GPU does
+            separate_ranks_sharing_a_gpu(rank, torch.cuda.device_count() / world_size)
     store = StoreClient().get("127.0.0.1", port)
     times: dict[str, list[float]] = {"form_s": [], "critical_path_s": []}
     for generation in range(GENERATIONS):
         spec = GenerationSpec(generation=generation, rank=rank, world_size=world_size, local_rank=rank,
                               local_world_size=world_size, node_rank=0, store_host="127.0.0.1", store_port=port,
-                              backend="nccl", reason="benchmark", collective_timeout_s=60.0)
+                              backend="gloo" if cpu else "nccl", reason="benchmark", collective_timeout_s=60.0)
         began = time.perf_counter()
         if not rendezvous(spec, store):
             raise RuntimeError(f"generation {generation} was aborted; nothing here aborts it")
         form_group(spec, store)  # while the generation before is still being aborted
-        probe = torch.ones(1, device="cuda")
+        probe = torch.ones(1, device=device)
         dist.all_reduce(probe)  # NCCL builds the communicator on the first collective
-        torch.cuda.synchronize()
+        if not cpu:
+            torch.cuda.synchronize()
         times["form_s"].append(time.perf_counter() - began)
         # A heal as a worker makes it: the control thread aborts the stale generation, the train thread leaves it.
         stale = GenerationGroup(generation, "nccl", dist.group.WORLD, GroupLinks(frozenset()),
