@@ -2,10 +2,11 @@
 
     .venv/bin/python -m benchmarks.gpu                      # writes benchmarks/results/gpu.json
     .venv/bin/python -m benchmarks.gpu --out /tmp/gpu.json --rounds 2
-    .venv/bin/python -m benchmarks.gpu --cpu --out /tmp/gpu_cpu.json   # the step logic on CPUs
+    .venv/bin/python -m benchmarks.gpu --cpu --out /tmp/gpu_cpu.json   # the script's logic on CPUs
 
-Without CUDA, and without `--cpu`, it says so and exits with code 2. It measures, each as min,
-median and max:
+Without CUDA, and without `--cpu`, it says so and exits with code 2. The report is written after
+each part, so a run cut short keeps what it measured; a part that fails is named under `failed`
+and the next one runs (the exit code is then 1). It measures, each as min, median and max:
 
 - NCCL generations, the way a worker joins and leaves them (`elastic.comm.group`): one process per
   rank (world sizes 1, 2 and 4; ranks beyond the GPUs share them, each a host of its own to NCCL
@@ -44,6 +45,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -76,48 +78,70 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the step contenders (default: %(default)s)")
     parser.add_argument("--heal-rounds", type=int, default=1,
                         help="rounds of the heals through Ray (benchmarks.gpu_heal; default: %(default)s)")
-    parser.add_argument("--cpu", action="store_true", help="only the step contenders, on CPUs: a check of the script")
+    parser.add_argument("--cpu", action="store_true",
+                        help="the generations, the step contenders and the heals on CPUs: a check of the script")
     args = parser.parse_args(argv)
     started = time.time()
+    out = args.out if args.cpu else args.out or DEFAULT_OUT
     if args.cpu:
-        report = {"nccl_generations": {str(size): nccl_generations(size, cpu=True) for size in (1, 2, 4)},
-                  "step": gpu_step.step_ratios(cpu=True, rounds=args.rounds), **gpu_heal.heal_figures(cpu=True)}
-        report.update(_provenance(command_line("benchmarks.gpu", argv), time.time() - started))
-        return _write(report, args.out)
-    if not torch.cuda.is_available():
+        report: dict[str, Any] = {}
+        parts = _cpu_parts(args)
+    elif not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA GPU, and this machine has none (torch.cuda.is_available() is False). "
               "Run it on a GPU machine; the CPU figures come from benchmarks.bench and benchmarks.scale.",
               file=sys.stderr)
         return NEEDS_GPU_EXIT
-    gpus = torch.cuda.device_count()
-    report: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(0),
-        "gpus": gpus,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-        "nccl_generations": {str(size): nccl_generations(size) for size in (1, 2, 4)},
-        "lm_steps_per_s": {precision: lm_steps_per_s(precision) for precision in ("fp32", "bf16")},
-        "checkpoint_stall": checkpoint_stall(),
-    }
-    report["nccl_abort_on_critical_path_s"] = report["nccl_generations"]["2"]["critical_path_s"]
-    report.update(gpu_heal.heal_figures(rounds=args.heal_rounds))
-    step = gpu_step.step_ratios(rounds=args.rounds)
-    report.update({key: step.pop(key) for key in STEP_KEYS})
-    report["step"] = step
-    report.update(_provenance(command_line("benchmarks.gpu", argv), time.time() - started))
-    return _write(report, args.out or DEFAULT_OUT)
-
-
-def _write(report: dict[str, Any], out: str | None) -> int:
+    else:
+        report = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+                  "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+        parts = _gpu_parts(args)
+    # Each part's figures are written as they come, and a part that fails is recorded and the next one
+    # runs: on a lent GPU's short budget, one broken part must not cost the others.
+    for name, part in parts:
+        try:
+            report.update(part())
+        except Exception as exc:
+            traceback.print_exc()
+            report.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"
+        report.update(_provenance(command_line("benchmarks.gpu", argv), time.time() - started))
+        _save(report, out)
     print(json.dumps(report, indent=2))
     if out is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
         print(f"\nwrote {out}")
-    return 0
+    return 1 if "failed" in report else 0
+
+
+def _gpu_parts(args: argparse.Namespace) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
+    def generations() -> dict[str, Any]:
+        figures = {str(size): nccl_generations(size) for size in (1, 2, 4)}
+        return {"nccl_generations": figures, "nccl_abort_on_critical_path_s": figures["2"]["critical_path_s"]}
+
+    def step() -> dict[str, Any]:
+        figures = gpu_step.step_ratios(rounds=args.rounds)
+        return {**{key: figures.pop(key) for key in STEP_KEYS}, "step": figures}
+
+    return [("nccl_generations", generations),
+            ("lm_steps_per_s", lambda: {"lm_steps_per_s": {p: lm_steps_per_s(p) for p in ("fp32", "bf16")}}),
+            ("checkpoint_stall", lambda: {"checkpoint_stall": checkpoint_stall()}),
+            ("heal", lambda: gpu_heal.heal_figures(rounds=args.heal_rounds)),
+            ("step", step)]
+
+
+def _cpu_parts(args: argparse.Namespace) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
+    return [("nccl_generations",
+             lambda: {"nccl_generations": {str(size): nccl_generations(size, cpu=True) for size in (1, 2, 4)}}),
+            ("step", lambda: {"step": gpu_step.step_ratios(cpu=True, rounds=args.rounds)}),
+            ("heal", lambda: gpu_heal.heal_figures(cpu=True))]
+
+
+def _save(report: dict[str, Any], out: str | None) -> None:
+    if out is None:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
 
 
 # --- NCCL generations ---------------------------------------------------------------------------
