@@ -121,11 +121,13 @@ def _gpu_parts(args: argparse.Namespace) -> list[tuple[str, Callable[[], dict[st
         figures = gpu_step.step_ratios(rounds=args.rounds)
         return {**{key: figures.pop(key) for key in STEP_KEYS}, "step": figures}
 
+    # The issues' figures first (38: the abort and the heals; 40: the stall and the step), the LM's
+    # own speed last: a run cut short by a lent GPU's budget keeps the ones that decide most.
     return [("nccl_generations", generations),
-            ("lm_steps_per_s", lambda: {"lm_steps_per_s": {p: lm_steps_per_s(p) for p in ("fp32", "bf16")}}),
-            ("checkpoint_stall", lambda: {"checkpoint_stall": checkpoint_stall()}),
             ("heal", lambda: gpu_heal.heal_figures(rounds=args.heal_rounds)),
-            ("step", step)]
+            ("checkpoint_stall", lambda: {"checkpoint_stall": checkpoint_stall()}),
+            ("step", step),
+            ("lm_steps_per_s", lambda: {"lm_steps_per_s": {p: lm_steps_per_s(p) for p in ("fp32", "bf16")}})]
 
 
 def _cpu_parts(args: argparse.Namespace) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
