@@ -9,6 +9,7 @@ without CUDA; `sh tests/gpu_check.sh` runs it where there is a GPU. A profile of
 """
 
 import sys
+from collections.abc import Callable
 
 import pytest
 import ray
@@ -29,34 +30,46 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 WARMUP, WATCHED = 5, 20
 
 
-def watched_loop(config: dict) -> dict:
+def _steady_steps(start: Callable[[], None], stop: Callable[[], None]) -> torch.nn.Module:
+    """Train the steady loop; `start()` before the first watched step, `stop()` after the last. Its model."""
     ctx = elastic.get_context()
     model = ctx.prepare_model(build_mlp())
     optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
     for step in ctx.steps(regression_data()):
         if step.index == WARMUP:
-            torch.cuda.set_sync_debug_mode("error")
+            start()
         with step:
             for mb in step.micro_batches():
                 mb.backward(torch.nn.functional.mse_loss(model(mb.data[0]), mb.data[1]))
             optimizer.step()
             optimizer.zero_grad()
         if step.index == WARMUP + WATCHED - 1:
-            torch.cuda.set_sync_debug_mode("default")
+            stop()
+    return model
+
+
+def _fit_on_the_gpu(loop: Callable[[dict], dict], tmp_path, name: str,
+                    checkpoint: CheckpointConfig = CheckpointConfig()) -> elastic.Result:
+    """One worker on the GPU runs `loop` for the watched steps and a few beyond."""
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    return ElasticTrainer(
+        loop,
+        scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
+        run_config=RunConfig(name=name, storage_path=str(tmp_path), checkpoint_config=checkpoint),
+        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=WARMUP + WATCHED + 2),
+        show_progress=False,
+    ).fit()
+
+
+def watched_loop(config: dict) -> dict:
+    model = _steady_steps(lambda: torch.cuda.set_sync_debug_mode("error"),
+                          lambda: torch.cuda.set_sync_debug_mode("default"))
     return {"device": str(next(model.parameters()).device)}
 
 
 def test_a_steady_step_on_a_gpu_makes_the_host_wait_for_the_device_nowhere(tmp_path):
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
-    result = ElasticTrainer(
-        watched_loop,
-        scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
-        run_config=RunConfig(name="gpu-steady", storage_path=str(tmp_path),
-                             checkpoint_config=CheckpointConfig(every_steps=10)),
-        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=WARMUP + WATCHED + 2),
-        show_progress=False,
-    ).fit()
+    result = _fit_on_the_gpu(watched_loop, tmp_path, "gpu-steady", CheckpointConfig(every_steps=10))
     assert result.value["device"].startswith("cuda") and result.step == WARMUP + WATCHED + 2
 
 
@@ -68,21 +81,9 @@ SYNCHRONIZING = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cu
 def profiled_loop(config: dict) -> dict:
     """The watched steps under torch.profiler: every synchronizing CUDA runtime call the process made, with its
     count. No checkpoint is due, so no thread of elastic's has a reason to wait for the device."""
-    ctx = elastic.get_context()
-    model = ctx.prepare_model(build_mlp())
-    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                   torch.profiler.ProfilerActivity.CUDA])
-    for step in ctx.steps(regression_data()):
-        if step.index == WARMUP:
-            profiler.start()
-        with step:
-            for mb in step.micro_batches():
-                mb.backward(torch.nn.functional.mse_loss(model(mb.data[0]), mb.data[1]))
-            optimizer.step()
-            optimizer.zero_grad()
-        if step.index == WARMUP + WATCHED - 1:
-            profiler.stop()
+    _steady_steps(profiler.start, profiler.stop)
     calls: dict[str, int] = {}
     for event in profiler.events():
         if event.name in SYNCHRONIZING:
@@ -95,15 +96,7 @@ def profiled_loop(config: dict) -> dict:
 def test_a_profile_of_steady_steps_on_a_gpu_holds_no_call_that_makes_the_host_wait(tmp_path):
     # Issue 40, part 1: what the sync debug mode does not see (a stream or event synchronize of
     # another library, a thread of elastic's) shows up in the CUDA runtime calls the profiler records.
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
-    result = ElasticTrainer(
-        profiled_loop,
-        scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
-        run_config=RunConfig(name="gpu-profiled", storage_path=str(tmp_path)),
-        data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=32, max_steps=WARMUP + WATCHED + 2),
-        show_progress=False,
-    ).fit()
+    result = _fit_on_the_gpu(profiled_loop, tmp_path, "gpu-profiled")
     assert result.value["launches"] > 0 and result.value["synchronizing"] == {}, result.value
 
 
