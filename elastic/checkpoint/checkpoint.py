@@ -178,8 +178,10 @@ def take_snapshot(states: dict[str, Any], progress: dict[str, Any], rank: int = 
         queued = pinned and buffer is not None
         buffers[dtype] = gather(parts, start, stop, torch.device("cpu"), buffer, non_blocking=queued)
         from_gpu |= queued
-    shard = _host_copy(optimizer_shard) if optimizer_shard is not None else None
-    from_gpu |= shard is not None and any(t.is_cuda for t in _leaves(optimizer_shard))
+    shard = None
+    if optimizer_shard is not None:
+        shard = _host_copy(optimizer_shard)
+        from_gpu |= any(t.is_cuda for parts in describe(optimizer_shard)[1].values() for t in parts)
     copied = None
     if from_gpu:
         copied = torch.cuda.Event()
@@ -196,14 +198,6 @@ def _host_copy(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: _host_copy(item) for key, item in value.items()}
     return value
-
-
-def _leaves(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _leaves(item)
 
 
 def shard_chunks(snapshot: Snapshot, rank: int, world_size: int) -> dict[str, torch.Tensor]:
