@@ -5,7 +5,8 @@
 #
 # NCCL groups are formed, aborted and re-formed in the same process (world size 1; 2 where
 # there are two GPUs), CUDA state travels as flat buffers in the healing sync, and the NCCL
-# watchdog mode cannot tear a survivor down, and a steady step makes the host wait for the
+# watchdog mode cannot tear a survivor down, a rank waits for NCCL's collectives to land before
+# it commits what they wrote (tests/test_nccl_landing.py), and a steady step makes the host wait for the
 # device nowhere (tests/test_gpu_step.py), and workers sharing the GPU heal every kind of death
 # to the plain math while the stale communicator is aborted off the heal's path
 # (tests/test_nccl_chaos.py). Without CUDA these tests skip, so the script
@@ -14,7 +15,8 @@ set -eu
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 $PYTHON -c "import torch; assert torch.cuda.is_available(), 'no CUDA device here'; print(torch.cuda.get_device_name(0))"
-$PYTHON -m pytest --noconftest -q -rs tests/test_generations.py tests/test_state_sync.py tests/test_nccl_survival.py
+$PYTHON -m pytest --noconftest -q -rs tests/test_generations.py tests/test_state_sync.py tests/test_nccl_survival.py \
+    tests/test_nccl_landing.py
 # A steady step under CUDA's sync debug mode, and two workers sharing the GPU, through real Ray
 # runs (Ray must be installed); then the chaos matrix's cells on NCCL, 3-4 workers sharing the GPU.
 $PYTHON -m pytest -q -rs tests/test_gpu_step.py

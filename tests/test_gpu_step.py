@@ -27,7 +27,9 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 # The train loop below is defined here; Ray workers cannot import the tests folder.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-WARMUP, WATCHED = 5, 20
+# DDP times its first ten iterations with CUDA events it synchronizes (`Reducer::should_collect_runtime_stats`,
+# and every hundredth after): the watched steps begin after them and end before the hundredth.
+WARMUP, WATCHED = 12, 20
 
 
 def _steady_steps(start: Callable[[], None], stop: Callable[[], None]) -> torch.nn.Module:
@@ -76,6 +78,7 @@ def test_a_steady_step_on_a_gpu_makes_the_host_wait_for_the_device_nowhere(tmp_p
 # CUDA runtime calls that make the host wait for the device (cudaMemcpy: the blocking copy).
 SYNCHRONIZING = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                            "cudaMemcpy2D"})
+WATCHED_END = "test::watched_steps_end"
 
 
 def profiled_loop(config: dict) -> dict:
@@ -83,10 +86,18 @@ def profiled_loop(config: dict) -> dict:
     count. No checkpoint is due, so no thread of elastic's has a reason to wait for the device."""
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                   torch.profiler.ProfilerActivity.CUDA])
-    _steady_steps(profiler.start, profiler.stop)
+
+    def stop() -> None:
+        # The profiler's own stop synchronizes the device inside the trace: the marker ends the watched steps.
+        with torch.profiler.record_function(WATCHED_END):
+            pass
+        profiler.stop()
+
+    _steady_steps(profiler.start, stop)
+    end = next(event.time_range.start for event in profiler.events() if event.name == WATCHED_END)
     calls: dict[str, int] = {}
     for event in profiler.events():
-        if event.name in SYNCHRONIZING:
+        if event.name in SYNCHRONIZING and event.time_range.start < end:
             calls[event.name] = calls.get(event.name, 0) + 1
     # The profile saw the device's work at all: the kernels the steps launched.
     launches = sum(event.name.startswith(("cudaLaunchKernel", "cuLaunchKernel")) for event in profiler.events())

@@ -8,12 +8,22 @@ which latches the reason, fails its pending gradient all-reduces (and stops thos
 the nodes first from issuing more), and severs its gloo connections or hands its NCCL communicator
 to the retirement thread (`elastic.comm.retirement`), which aborts it off the heal's path.
 
+NCCL returns from a collective once it is queued, so a rank would step its optimizer, and commit
+the step, on gradients whose all-reduce still waits on a dead peer; the abort that frees the
+kernel lets the optimizer's kernels, queued behind it, run on a partial sum, a state no member
+should hold. So before anything an NCCL collective wrote is committed (the optimizer's step, a
+heal's state sync, ZeRO's gathered parameters, local SGD's average, a sent or received shard),
+the rank waits for the collectives to land (`wait_landed`), as torchft's `should_commit`
+synchronizes the device before the optimizer steps.
+
 Whether the generation failed is told from facts, never from the text of an exception
 (`errored`):
 - the controller's word: it offered a newer generation in this one's place (`abort`);
 - the kernel's, on gloo: a connection of its groups closed (gloo closes its end once the peer
   died or left), or data sent on one went unacknowledged while the kernel retransmits it (a cut link);
-- torch's: a `torch.distributed.DistError` (NCCL's errors, the store's), a type only torch raises.
+- torch's: a `torch.distributed.DistError` (NCCL's errors, the store's), a type only torch raises;
+- on NCCL, the sum of a one-element all-reduce queued behind the generation's collectives
+  (`wait_landed`): below the world size, the communicator was aborted before they completed.
 
 `peer_failed(exc)` asks the generation this process is in, which the worker's membership
 registers when it forms and withdraws when it leaves (torch.distributed's default group is
@@ -52,6 +62,7 @@ class GenerationGroup:
         self._lock = threading.Lock()
         self._aborted: str | None = None
         self._peer_waits: _PeerWaits | None = None  # started by the first wait on sends and receives
+        self._landing: _Landing | None = None  # made by the first wait for NCCL's collectives to land
 
     def abort(self, reason: str) -> None:
         """Fail whatever waits on this generation's groups, from any thread; the first reason sticks."""
@@ -81,6 +92,27 @@ class GenerationGroup:
         health = self.links.health()
         return f"generation {self.generation}: {health.describe()}" if health.broken else None
 
+    def wait_landed(self) -> None:
+        """Return once every collective queued so far on this generation's NCCL group completed; raise
+        a peer failure (the generation aborted) if the communicator was aborted before they did.
+
+        A one-element all-reduce of ones is queued behind them: NCCL runs a communicator's kernels in
+        order, and once it is aborted none of them runs to the end, so the sum reaches the world size
+        only if everything queued before it completed here. The host waits for its event, which the
+        control thread's abort frees when a peer died (`abort`). gloo's collectives return done or
+        raise, and a group of one has no peer to wait for: nothing to wait for there.
+        """
+        if self.backend == "gloo" or self.world.size() == 1:
+            return
+        if self._landing is None:
+            self._landing = _Landing()
+        total = self._landing.sum_after(self.world)
+        if total != self.world.size():
+            reason = (f"generation {self.generation}: its NCCL collectives did not complete (a one-element all-reduce "
+                      f"queued behind them summed {total:g} of {self.world.size()}): the communicator was aborted")
+            self.abort(reason)
+            raise RuntimeError(self.errored())
+
     def release(self) -> list[Any]:
         """Stop the generation's gradient all-reduces and hand over its subgroups, for
         `elastic.comm.group.leave_group` to let go of: this process leaves the generation."""
@@ -99,6 +131,24 @@ class GenerationGroup:
                     self._peer_waits.abort(self._aborted)
             peer_waits = self._peer_waits
         peer_waits.wait(list(works), self.world._get_backend(torch.device("cpu")).options._timeout)
+
+
+class _Landing:
+    """A generation's one-element all-reduce that says whether its NCCL collectives landed."""
+
+    def __init__(self) -> None:
+        self._ones = torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()))
+        self._sum = torch.zeros(1, pin_memory=True)  # read by the host once the event passed: no device wait
+        self._landed = torch.cuda.Event()
+
+    def sum_after(self, group: dist.ProcessGroup) -> float:
+        """The all-reduced sum of ones across `group`, queued behind everything queued before it."""
+        self._ones.fill_(1.0)
+        dist.all_reduce(self._ones, group=group)
+        self._sum.copy_(self._ones, non_blocking=True)
+        self._landed.record()
+        self._landed.synchronize()  # releases the GIL: the control thread can abort meanwhile
+        return self._sum.item()
 
 
 class _PeerWaits:
@@ -188,15 +238,27 @@ def wait_p2p(works: Iterable[Any]) -> None:
     are waited for, with the run's collective timeout, on a thread of the generation's own, while
     this thread returns with their outcome or at once with the generation's abort.
 
-    NCCL's `wait()` only orders streams, and outside a generation nothing aborts: plain waits.
-    torch's pipeline schedules wait through this too (`elastic.parallel.pipeline`).
+    NCCL's `wait()` only orders streams: the host then waits for them to land (`wait_landed`), so
+    that nothing takes a half-received shard for a whole one. Outside a generation nothing aborts:
+    plain waits. torch's pipeline schedules wait through this too (`elastic.parallel.pipeline`).
     """
     group = _current
     if group is None or group.backend != "gloo":
         for work in works:
             work.wait()
+        if group is not None:
+            group.wait_landed()
         return
     group.wait_peers(works)
+
+
+def collectives_landed(*_: Any) -> None:
+    """Wait for the NCCL collectives of the generation this process is in to land, or raise its
+    peer failure (`GenerationGroup.wait_landed`); nothing on gloo or outside a generation. Its
+    arguments are ignored, so that it can be an optimizer's step pre-hook."""
+    group = _current
+    if group is not None:
+        group.wait_landed()
 
 
 def peer_failed(exc: BaseException) -> bool:

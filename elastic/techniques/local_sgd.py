@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from elastic.checkpoint.checkpoint import Checkpoint
 from elastic.comm.flat_state import flatten, unflatten
+from elastic.comm.generation import collectives_landed
 from elastic.comm.state_sync import RunState, load_into
 from elastic.config import Strategy
 from elastic.techniques.shard_plan import ShardPosition
@@ -88,13 +89,13 @@ class OuterSync:
             if self.kind == "local_sgd":
                 flat = torch.cat([p.reshape(-1) for p in self.params])
                 self.bytes_sent += flat.numel() * flat.element_size()
-                dist.all_reduce(flat)
+                _sum_landed(flat)
                 flat.div_(world_size)
                 self._unflatten_into(flat, self.params)
             elif self.kind == "diloco":
                 flat = torch.cat([(a - p).reshape(-1) for a, p in zip(self.anchor, self.params)])
                 self.bytes_sent += flat.numel() * flat.element_size()
-                dist.all_reduce(flat)
+                _sum_landed(flat)
                 flat.div_(world_size)
                 for anchor, grad in zip(self.anchor, self._split(flat)):
                     anchor.grad = grad
@@ -105,7 +106,7 @@ class OuterSync:
             else:
                 flat = torch.cat([(p - a).reshape(-1) for p, a in zip(self.params, self.anchor)]).mul_(self.alpha)
                 self.bytes_sent += flat.numel() * flat.element_size()
-                dist.all_reduce(flat)  # sum_i d_i; nothing has moved yet if a peer dies in it
+                _sum_landed(flat)  # sum_i d_i; nothing has moved yet if a peer dies in it
                 for param, anchor, total in zip(self.params, self.anchor, self._split(flat)):
                     param.sub_((param - anchor).mul_(self.alpha))  # d_i again, bit for bit, not kept meanwhile
                     anchor.add_(total)
@@ -249,3 +250,10 @@ class PeriodicSync(Technique):
     @property
     def syncs(self) -> int:
         return self._outer.syncs if self._outer is not None else 0
+
+
+def _sum_landed(flat: torch.Tensor) -> None:
+    """Sum `flat` across the generation in place, and wait for it to land: on NCCL the all-reduce is
+    only queued, and the parameters written from a sum a dead peer broke off would be no rank's."""
+    dist.all_reduce(flat)
+    collectives_landed()

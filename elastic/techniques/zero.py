@@ -66,6 +66,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.comm.generation import collectives_landed
 from elastic.errors import ElasticError
 from elastic.techniques.shard_plan import (
     Layout, ShardLostError, ShardPosition, agreed_history, plan_reshard, scalars_at,
@@ -214,6 +215,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._steps += 1
         gathered = self._padded.new_empty(self._padded.numel() * layout.world_size)
         _all_gather(gathered, self._padded, group=self._group)
+        collectives_landed()  # on NCCL the gather is only queued: no parameter is written from half of it
         _write(gathered, self._params)
         # The step is taken: the parameters are written. A peer lost during the buddy refresh
         # leaves the copies half received, so they count for nothing, but the step commits and

@@ -34,7 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from elastic.checkpoint.checkpoint import Checkpoint, CheckpointWriter
 from elastic.comm.collectives import Collectives
-from elastic.comm.generation import peer_failed
+from elastic.comm.generation import collectives_landed, peer_failed
 from elastic.comm.group import GenerationSpec
 from elastic.comm.links import GroupLinks
 from elastic.comm.state_sync import AwaitedState, RunState
@@ -332,6 +332,10 @@ class TrainContext(ReplicaCoordinates):
         if self.stepping.optimizer is not None:
             raise ElasticError("prepare_optimizer() was called twice; elastic syncs one optimizer per run")
         optimizer = self.stepping.optimizer = self.techniques.prepare_optimizer(optimizer, self._state)
+        if self.membership.device.type == "cuda":
+            # First of the hooks: on NCCL the step's gradients may still wait on a dead peer
+            # (`elastic.comm.generation`); a failure raises here, before anything steps.
+            optimizer.register_step_pre_hook(collectives_landed)
         optimizer.register_step_pre_hook(lambda *_: self.batching.check_weighted(self.stepping.current))
         self._prepared.prepare_optimizer(optimizer, self._state, lambda: self.stepping.current)
         self.techniques.hook_optimizer(optimizer, lambda: (self.step, self.world_size), self.membership.launch_average)

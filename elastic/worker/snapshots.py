@@ -65,7 +65,7 @@ class Snapshots:
         # one or, as rank 0, took a checkpoint.
         self._reported_files: dict[str, bytes] | Callable[[], dict[str, bytes]] | None = None
         self._last_checkpoint = time.monotonic()
-        self._flag: tuple[dist.Work, torch.Tensor] | None = None
+        self._flag: tuple[Callable[[], Any], torch.Tensor] | None = None  # its wait, and where the MAX lands
         self._buffers = HostBuffers()  # reused by every snapshot of the same sizes
         self._taken_step: int | None = None  # the step of the last snapshot taken
 
@@ -102,9 +102,22 @@ class Snapshots:
         boundary, so all ranks snapshot the same step while training never waits for the check.
         """
         timer_due = time.monotonic() - self._last_checkpoint >= self.config.every_s
-        # On the device the generation's collectives run on (NCCL's: the GPU).
-        flag = torch.tensor([int(timer_due)], dtype=torch.int64, device=self._membership.device)
-        self._flag = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        # On the device the generation's collectives run on (NCCL's: the GPU), filled there: a
+        # tensor made from a host list would be a blocking copy.
+        device = self._membership.device
+        flag = torch.full((1,), int(timer_due), dtype=torch.int64, device=device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        if device.type != "cuda":
+            self._flag = (work.wait, flag)
+            return
+        # NCCL's wait only orders the stream; the sum comes to pinned host memory behind it, and the
+        # next boundary reads it once its event passed, without a blocking copy. Whether the
+        # all-reduce completed, the next step's optimizer learned first (`collectives_landed`).
+        work.wait()
+        landed = torch.empty(1, dtype=torch.int64, pin_memory=True).copy_(flag, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._flag = (copied.synchronize, landed)
 
     def drop_flag(self) -> None:
         """Forget the pending check: a heal leaves its group, which nothing may keep alive."""
@@ -114,10 +127,10 @@ class Snapshots:
         """Whether the ranks agreed on a checkpoint at this boundary; `heal` if a peer died in the check."""
         if self._flag is None:
             return False
-        work, flag = self._flag
+        wait, flag = self._flag
         self._flag = None
         try:
-            work.wait()
+            wait()
         except Exception as exc:
             if not peer_failed(exc):
                 raise
