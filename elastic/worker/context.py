@@ -314,6 +314,23 @@ class TrainContext(ReplicaCoordinates):
         if step is not None and step.failed is None:
             step.failed = why
 
+    def _gradients_landed(self, *_: Any) -> None:
+        """Wait for the step's collectives to land before the optimizer steps (`collectives_landed`).
+        In Ray Train's loop shape gradients that did not land fail the step, as a failed all-reduce
+        does, instead of raising into the loop."""
+        if self.loader_steps is None:
+            collectives_landed()
+            return
+        current = self.stepping.current
+        if current is not None and current.failed is not None:
+            return  # failed already: nothing will step
+        try:
+            collectives_landed()
+        except Exception as exc:
+            if not peer_failed(exc):
+                raise
+            self._keep_failure_on_step(f"{type(exc).__name__}: {exc}")
+
     def _nothing_to_step_if_failed(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         """In Ray Train's loop shape the loop steps the optimizer after a failed backward too: with
         no gradients torch's optimizers leave every parameter and state as it is (and the step
@@ -335,7 +352,7 @@ class TrainContext(ReplicaCoordinates):
         if self.membership.device.type == "cuda":
             # First of the hooks: on NCCL the step's gradients may still wait on a dead peer
             # (`elastic.comm.generation`); a failure raises here, before anything steps.
-            optimizer.register_step_pre_hook(collectives_landed)
+            optimizer.register_step_pre_hook(self._gradients_landed)
         optimizer.register_step_pre_hook(lambda *_: self.batching.check_weighted(self.stepping.current))
         self._prepared.prepare_optimizer(optimizer, self._state, lambda: self.stepping.current)
         self.techniques.hook_optimizer(optimizer, lambda: (self.step, self.world_size), self.membership.launch_average)
