@@ -12,9 +12,9 @@ NCCL returns from a collective once it is queued, so a rank would step its optim
 the step, on gradients whose all-reduce still waits on a dead peer; the abort that frees the
 kernel lets the optimizer's kernels, queued behind it, run on a partial sum, a state no member
 should hold. So before anything an NCCL collective wrote is committed (the optimizer's step, a
-heal's state sync, ZeRO's gathered parameters, local SGD's average, a sent or received shard),
-the rank waits for the collectives to land (`wait_landed`), as torchft's `should_commit`
-synchronizes the device before the optimizer steps.
+heal's state sync, ZeRO's gathered parameters, local SGD's average), the rank waits for the
+collectives to land (`wait_landed`), as torchft's `should_commit` synchronizes the device before
+the optimizer steps; and it waits for sends and receives until they completed (`wait_p2p`).
 
 Whether the generation failed is told from facts, never from the text of an exception
 (`errored`):
@@ -124,6 +124,9 @@ class GenerationGroup:
     def wait_peers(self, works: Iterable[Any]) -> None:
         """Wait for sends and receives of this generation's groups, for as long as a collective may,
         or fail at once when the generation is aborted (see `wait_p2p`)."""
+        if self.backend != "gloo":
+            self._wait_nccl_peers(works)
+            return
         with self._lock:
             if self._peer_waits is None:
                 self._peer_waits = _PeerWaits(f"elastic-p2p-{self.generation}")
@@ -131,6 +134,23 @@ class GenerationGroup:
                     self._peer_waits.abort(self._aborted)
             peer_waits = self._peer_waits
         peer_waits.wait(list(works), self.world._get_backend(torch.device("cpu")).options._timeout)
+
+    def _wait_nccl_peers(self, works: Iterable[Any]) -> None:
+        """NCCL's plain wait only orders the streams. With a timeout it holds the host until the sends
+        and receives completed, and raises if their communicator failed (the watchdog marks the
+        works of a communicator with an error failed before it aborts it). A kernel the control
+        thread's abort freed also ends the wait, without an error until the abort returns, but that
+        abort latched the generation first (`abort`). Not `wait_landed`: its all-reduce is a
+        collective, and not every rank sends or receives at the same points."""
+        timeout = self.world._get_backend(torch.device("cuda")).options._timeout
+        try:
+            for work in works:
+                work.wait(timeout)
+        except Exception as exc:
+            self.abort(f"generation {self.generation}: a send or receive did not complete: {type(exc).__name__}: {exc}")
+            raise RuntimeError(self.errored()) from exc
+        if self.errored() is not None:
+            raise RuntimeError(self.errored())
 
 
 class _Landing:
@@ -238,16 +258,14 @@ def wait_p2p(works: Iterable[Any]) -> None:
     are waited for, with the run's collective timeout, on a thread of the generation's own, while
     this thread returns with their outcome or at once with the generation's abort.
 
-    NCCL's `wait()` only orders streams: the host then waits for them to land (`wait_landed`), so
-    that nothing takes a half-received shard for a whole one. Outside a generation nothing aborts:
-    plain waits. torch's pipeline schedules wait through this too (`elastic.parallel.pipeline`).
+    NCCL's plain `wait()` only orders streams: the host waits for the works with the timeout instead,
+    so that nothing takes a half-received shard for a whole one. Outside a generation nothing
+    aborts: plain waits. torch's pipeline schedules wait through this too (`elastic.parallel.pipeline`).
     """
     group = _current
-    if group is None or group.backend != "gloo":
+    if group is None:
         for work in works:
             work.wait()
-        if group is not None:
-            group.wait_landed()
         return
     group.wait_peers(works)
 
