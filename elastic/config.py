@@ -734,9 +734,10 @@ def check_replicas_fit(scaling: ScalingConfig, data: DataConfig, strategy: Strat
         return
     words = replica_words(stages, scaling.tensor_parallel)
     if scaling.use_gpu:
-        raise ValueError(f"{words} with use_gpu=True is not built: a survivor blocked in an NCCL collective of its "
-                         "replica or its data-parallel group could not be aborted when a peer dies; replicas train on "
-                         "CPUs over gloo")
+        raise ValueError(f"{words} with use_gpu=True is not built: when a peer dies the control thread aborts the "
+                         "generation's NCCL world group, and a survivor waiting on a replica's own group (its stages' "
+                         "sends and receives, its tensor-parallel all-reduces) would stay blocked until the collective "
+                         "timeout; replicas train on CPUs over gloo")
     others = {name: value for name, value in (("precision", strategy.precision), ("compression", strategy.compression),
                                               ("zero", strategy.zero), ("sync", strategy.sync),
                                               ("overlap_optimizer", strategy.overlap_optimizer))
