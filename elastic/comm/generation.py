@@ -104,9 +104,15 @@ class GenerationGroup:
         """
         if self.backend == "gloo" or self.world.size() == 1:
             return
+        if self.errored() is not None:
+            raise RuntimeError(self.errored())  # aborted: its communicator may be under abort on another thread
         if self._landing is None:
             self._landing = _Landing()
-        total = self._landing.sum_after(self.world)
+        try:
+            total = self._landing.sum_after(self.world)
+        except Exception as exc:  # the watchdog aborted the communicator first: the enqueue raises
+            self.abort(f"generation {self.generation}: its NCCL communicator failed: {type(exc).__name__}: {exc}")
+            raise RuntimeError(self.errored()) from exc
         if total != self.world.size():
             reason = (f"generation {self.generation}: its NCCL collectives did not complete (a one-element all-reduce "
                       f"queued behind them summed {total:g} of {self.world.size()}): the communicator was aborted")

@@ -43,6 +43,7 @@ from typing import Any, Callable
 import torch
 
 from elastic.checkpoint.checkpoint import Checkpoint
+from elastic.comm.generation import collectives_landed
 from elastic.comm.flat_state import flatten, unflatten
 from elastic.comm.state_sync import RunState, load_into, state_of
 from elastic.config import StaleSpec, Strategy
@@ -129,9 +130,15 @@ class StaleSync:
         _, world_size = self._where()
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
         self.bytes_sent += flat.numel() * flat.element_size()
+        applies = len(self._in_flight) + 1 > self.bound
+        if applies and self.bound > 0:
+            # On NCCL the reduction to apply, launched steps ago, must have landed; waiting before this
+            # step's launch keeps this one in flight meanwhile (a no-op on gloo).
+            collectives_landed()
         reduction = _Reduction(flat, world_size, self._launch(flat))
         self._in_flight.append(reduction)
-        applies = len(self._in_flight) > self.bound
+        if applies and self.bound == 0:
+            collectives_landed()  # bound 0 applies this step's own reduction
         self._open = _Step(reduction, applies, _hyper(self._optimizer))
         self._set_gradients(self.params, self._in_flight.popleft().wait() if applies else None)
 

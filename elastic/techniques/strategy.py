@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.checkpoint.checkpoint import Checkpoint
+from elastic.comm.generation import collectives_landed
 from elastic.comm.state_sync import RunState, average_over_holders
 from elastic.config import Strategy
 from elastic.techniques.compression import GradientCompression
@@ -150,9 +151,11 @@ class Techniques:
             technique.at_boundary(state, progress)
 
     def drain(self) -> None:
-        """Before a planned switch: wait for what is in flight; raises if a peer died."""
+        """Before a planned switch: wait for what is in flight; raises if a peer died (on NCCL, where a
+        wait only orders the streams, once the collectives did not land)."""
         for technique in self._all:
             technique.drain()
+        collectives_landed()
 
     def communication(self, unhooked_syncs: int) -> dict[str, int]:
         """What the run's syncs sent; `unhooked_syncs`: the steps whose gradients DDP all-reduced without

@@ -349,9 +349,10 @@ class TrainContext(ReplicaCoordinates):
         if self.stepping.optimizer is not None:
             raise ElasticError("prepare_optimizer() was called twice; elastic syncs one optimizer per run")
         optimizer = self.stepping.optimizer = self.techniques.prepare_optimizer(optimizer, self._state)
-        if self.membership.device.type == "cuda":
+        if self.membership.device.type == "cuda" and not self.techniques.replaces_ddp:
             # First of the hooks: on NCCL the step's gradients may still wait on a dead peer
-            # (`elastic.comm.generation`); a failure raises here, before anything steps.
+            # (`elastic.comm.generation`); a failure raises here, before anything steps. Local SGD
+            # and stale synchrony, which sync without DDP, wait where they apply their sums.
             optimizer.register_step_pre_hook(self._gradients_landed)
         optimizer.register_step_pre_hook(lambda *_: self.batching.check_weighted(self.stepping.current))
         self._prepared.prepare_optimizer(optimizer, self._state, lambda: self.stepping.current)
@@ -522,8 +523,8 @@ class TrainContext(ReplicaCoordinates):
     def _loops_go_on(self, going_on: bool) -> bool | None:
         """Whether every member's loop over the prepared data loader goes on to the epoch that
         starts (`LoaderSteps`); None if a peer died in the agreement, and this rank healed."""
-        flag = torch.tensor([int(going_on)], dtype=torch.int64, device=self.device)
-        with self.between_steps() as block:
+        flag = torch.full((1,), int(going_on), dtype=torch.int64, device=self.device)
+        with self.between_steps() as block:  # which waits for the MIN to land on NCCL
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return None if block.failed else bool(flag.item())
 
@@ -550,6 +551,7 @@ class TrainContext(ReplicaCoordinates):
             return
         try:
             whole = self.model_state_dict()
+            collectives_landed()  # ZeRO's gathers of the shards, on NCCL only queued
         except Exception as exc:
             if not peer_failed(exc):
                 raise

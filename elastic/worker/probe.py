@@ -5,7 +5,7 @@ rank that never entered a step's gradient sync, while its peers did and wait in 
 that hangs. `HangProbe` counts what the train thread reached (the gradient syncs it entered, the
 all-reduces it launched, the newest generation whose barrier it reached and whose groups it
 connected), and reads from the train thread's stack whether it waits inside torch.distributed (or
-in `elastic.comm.generation.wait_p2p`).
+in `elastic.comm.generation`'s waits on sends and receives and on NCCL's collectives to land).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from elastic.comm.generation import wait_p2p
+from elastic.comm.generation import GenerationGroup, collectives_landed, wait_p2p
 
-# The project's own wait on sends and receives (torch's schedules' too): a wait on peers.
-_P2P_WAIT = wait_p2p.__code__
+# The project's own waits on peers: on sends and receives (torch's schedules' too), and on NCCL's
+# collectives to land (a CUDA event's wait, in no torch.distributed frame).
+_PEER_WAITS = frozenset({wait_p2p.__code__, GenerationGroup.wait_landed.__code__, collectives_landed.__code__})
 
 if TYPE_CHECKING:
     from elastic.parallel.prepared import ComputeFrames
@@ -83,7 +84,7 @@ class HangProbe:
             # Some kinds' torch.distributed modules run the model's compute too: of their own frames,
             # only a wait on peers counts (DTensor's collectives show in _functional_collectives' frames).
             waits = not module.startswith(computing.modules) or frame.f_code.co_name in computing.waits
-            if module.startswith("torch.distributed") and waits or frame.f_code is _P2P_WAIT:
+            if module.startswith("torch.distributed") and waits or frame.f_code in _PEER_WAITS:
                 called = called or frame.f_code.co_name
             elif called is not None:
                 code = frame.f_code

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from elastic.checkpoint import reported
 from elastic.checkpoint.checkpoint import Checkpoint, CheckpointWriter, take_snapshot
 from elastic.checkpoint.host_buffers import HostBuffers
-from elastic.comm.generation import peer_failed
+from elastic.comm.generation import collectives_landed, peer_failed
 from elastic.comm.state_sync import RunState
 from elastic.config import CheckpointConfig
 from elastic.errors import ElasticError
@@ -110,9 +110,8 @@ class Snapshots:
         if device.type != "cuda":
             self._flag = (work.wait, flag)
             return
-        # NCCL's wait only orders the stream; the sum comes to pinned host memory behind it, and the
-        # next boundary reads it once its event passed, without a blocking copy. Whether the
-        # all-reduce completed, the next step's optimizer learned first (`collectives_landed`).
+        # NCCL's wait only orders the stream; the MAX comes to pinned host memory behind it, and the
+        # next boundary reads it once it landed (`read_flag`), without a blocking copy.
         work.wait()
         landed = torch.empty(1, dtype=torch.int64, pin_memory=True).copy_(flag, non_blocking=True)
         copied = torch.cuda.Event()
@@ -130,6 +129,9 @@ class Snapshots:
         wait, flag = self._flag
         self._flag = None
         try:
+            # On NCCL: whether the all-reduce completed (a collective: every rank reads the flag at this
+            # boundary). The host waits for the step's kernels once every AGREEMENT_EVERY_STEPS steps.
+            collectives_landed()
             wait()
         except Exception as exc:
             if not peer_failed(exc):

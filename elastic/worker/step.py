@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from elastic.comm.generation import peer_failed
+from elastic.comm.generation import collectives_landed, peer_failed
 from elastic.comm.group import GenerationSpec
 from elastic.data import order as data_math
 from elastic.errors import ElasticError
@@ -127,7 +127,8 @@ class BetweenSteps:
     """A block of the train loop's own collectives outside `with step` (an evaluation, say):
     `with ctx.between_steps() as block:`. A peer's death inside it ends the block, this rank
     joins the healed generation at once (`heal`), and `block.failed` holds the error; any other
-    exception passes through."""
+    exception passes through. On NCCL the block's collectives land before it ends
+    (`collectives_landed`), so what it read from them is whole."""
 
     def __init__(self, heal: Callable[[], None]) -> None:
         self._heal = heal
@@ -137,6 +138,13 @@ class BetweenSteps:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            try:
+                collectives_landed()  # on NCCL the block's collectives were only queued
+            except Exception as unlanded:
+                if not peer_failed(unlanded):
+                    raise
+                exc = unlanded
         if exc is None or not peer_failed(exc):
             return False
         # Keep the message, not the exception: its traceback would keep the old group alive.

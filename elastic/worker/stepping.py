@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from elastic.comm.generation import peer_failed
+from elastic.comm.generation import collectives_landed, peer_failed
 from elastic.techniques.strategy import Techniques
 from elastic.worker.batching import MicroBatching
 from elastic.worker.injection import FaultInjector
@@ -56,6 +56,15 @@ class Stepping:
 
     def end(self, step: Step, exc: BaseException | None) -> bool:
         """The `with step:` block ended; True to swallow `exc`, a peer's failure the next join heals."""
+        if exc is None and not step.committed and step.failed is None:
+            # No optimizer stepped, whose first pre-hook waits for the step's collectives to land:
+            # they land here, so that every rank waits once a step (on NCCL the wait is a collective).
+            try:
+                collectives_landed()
+            except Exception as unlanded:
+                if not peer_failed(unlanded):
+                    raise
+                exc = unlanded
         if exc is None:
             with phase("elastic.commit"):
                 self.commit()
