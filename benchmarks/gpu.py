@@ -6,12 +6,14 @@
 
 Without CUDA, and without `--cpu`, it says so and exits with code 2. The report is written after
 each part, so a run cut short keeps what it measured; a part that fails is named under `failed`
-and the next one runs (the exit code is then 1). It measures, each as min, median and max:
+and the next one runs (the exit code is then 1); within a part, so is a world size or a contender
+that fails, and processes that hang are killed at a deadline. It measures, each as min, median
+and max:
 
 - NCCL generations, the way a worker joins and leaves them (`elastic.comm.group`): one process per
   rank (world sizes 1, 2 and 4; ranks beyond the GPUs share them, each a host of its own to NCCL
-  as a worker holding a share of a GPU is) forms generation 0 (the store barrier,
-  `init_process_group` and the first all-reduce, which is when NCCL builds its communicator),
+  as a worker holding a share of a GPU is) forms generation 0 (timed from the store barrier's
+  end: `init_process_group` and the first all-reduce, which is when NCCL builds its communicator),
   then heals as a worker does (`GenerationGroup.abort`, then `leave_group`) and forms the next
   one, GENERATIONS times. `critical_path_s` is what the heal's path spends on the abort (the
   abort and the leave, on the train thread), `nccl_abort_on_critical_path_s` at the report's top
@@ -55,7 +57,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from benchmarks import gpu_heal, gpu_step
-from benchmarks.gpu_step import spread
+from benchmarks.gpu_step import run_processes, spread
 from benchmarks.bench import _provenance, command_line
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                   "torch": torch.__version__, "cuda": torch.version.cuda,
                   "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
         parts = _gpu_parts(args)
+    _start_ray(args.cpu)
     # Each part's figures are written as they come, and a part that fails is recorded and the next one
     # runs: on a lent GPU's short budget, one broken part must not cost the others.
     for name, part in parts:
@@ -112,10 +115,29 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if "failed" in report else 0
 
 
+def _start_ray(cpu: bool) -> None:
+    """One local Ray for every part, with the machine's GPUs, no dashboard and no worker logs in the output."""
+    import ray
+
+    ray.init(address="local", num_cpus=4 if cpu else os.cpu_count(), num_gpus=0 if cpu else torch.cuda.device_count(),
+             include_dashboard=False, log_to_driver=False)
+
+
+def _generations(cpu: bool) -> dict[str, Any]:
+    """`nccl_generations` at 1, 2 and 4 ranks, each on its own: a size that fails is recorded, the next one runs."""
+    figures: dict[str, Any] = {}
+    for size in (1, 2, 4):
+        try:
+            figures[str(size)] = nccl_generations(size, cpu=cpu)
+        except Exception as exc:  # noqa: BLE001 (recorded: the other sizes still run)
+            traceback.print_exc()
+            figures[str(size)] = {"failed": f"{type(exc).__name__}: {exc}"}
+    return {"nccl_generations": figures, "nccl_abort_on_critical_path_s": figures["2"].get("critical_path_s")}
+
+
 def _gpu_parts(args: argparse.Namespace) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     def generations() -> dict[str, Any]:
-        figures = {str(size): nccl_generations(size) for size in (1, 2, 4)}
-        return {"nccl_generations": figures, "nccl_abort_on_critical_path_s": figures["2"]["critical_path_s"]}
+        return _generations(cpu=False)
 
     def step() -> dict[str, Any]:
         figures = gpu_step.step_ratios(rounds=args.rounds)
@@ -131,10 +153,9 @@ def _gpu_parts(args: argparse.Namespace) -> list[tuple[str, Callable[[], dict[st
 
 
 def _cpu_parts(args: argparse.Namespace) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
-    return [("nccl_generations",
-             lambda: {"nccl_generations": {str(size): nccl_generations(size, cpu=True) for size in (1, 2, 4)}}),
+    return [("nccl_generations", lambda: _generations(cpu=True)),
             ("step", lambda: {"step": gpu_step.step_ratios(cpu=True, rounds=args.rounds)}),
-            ("heal", lambda: gpu_heal.heal_figures(cpu=True))]
+            ("heal", lambda: gpu_heal.heal_figures(cpu=True, rounds=args.heal_rounds))]
 
 
 def _save(report: dict[str, Any], out: str | None) -> None:
@@ -151,9 +172,8 @@ def nccl_generations(world_size: int, cpu: bool = False) -> dict[str, Any]:
     """Form, abort and re-form NCCL generations in the same processes, one per rank. `cpu`: gloo groups
     stand in for NCCL's on the same path (`--cpu`: a check of the script, its figures none of NCCL's)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    results = mp.Manager().dict()
-    mp.start_processes(_generations_member, args=(world_size, store.port, cpu, results), nprocs=world_size,
-                       start_method="spawn")
+    results = mp.get_context("spawn").Manager().dict()  # not forked from a process that initialized CUDA
+    run_processes(_generations_member, (world_size, store.port, cpu, results), world_size)
     ranks = [results[r] for r in range(world_size)]
     # A generation is formed when its slowest member is: the most over ranks, per generation.
     slowest = {key: [max(r[key][g] for r in ranks) for g in range(len(ranks[0][key]))]
@@ -181,9 +201,9 @@ def _generations_member(rank: int, world_size: int, port: int, cpu: bool, result
         spec = GenerationSpec(generation=generation, rank=rank, world_size=world_size, local_rank=rank,
                               local_world_size=world_size, node_rank=0, store_host="127.0.0.1", store_port=port,
                               backend="gloo" if cpu else "nccl", reason="benchmark", collective_timeout_s=60.0)
-        began = time.perf_counter()
         if not rendezvous(spec, store):
             raise RuntimeError(f"generation {generation} was aborted; nothing here aborts it")
+        began = time.perf_counter()  # after the barrier: not the wait for slower ranks to start
         form_group(spec, store)  # while the generation before is still being aborted
         probe = torch.ones(1, device=device)
         dist.all_reduce(probe)  # NCCL builds the communicator on the first collective
@@ -197,7 +217,8 @@ def _generations_member(rank: int, world_size: int, port: int, cpu: bool, result
         stale.abort("benchmarks.gpu: a heal")
         leave_group("nccl")
         times["critical_path_s"].append(time.perf_counter() - healing)
-    retirement.wait_idle()
+    if not retirement.wait_idle(60):
+        raise TimeoutError("the retirement thread's NCCL aborts did not end within 60 s")
     # Two batches per generation: the control thread's abort, and the leave's of a communicator already aborted,
     # which returns at once; the control thread's may run before an earlier leave's. Each generation's abort is
     # one of the GENERATIONS longest.

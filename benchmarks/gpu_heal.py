@@ -23,6 +23,7 @@ its own to NCCL: `elastic.comm.binding.separate_ranks_sharing_a_gpu`).
 from __future__ import annotations
 
 import tempfile
+import traceback
 from typing import Any
 
 import elastic
@@ -38,19 +39,32 @@ CPU_STEPS, CPU_KILL_STEP = 400, 40  # gloo's steps on a 2-core machine are slowe
 
 
 def heal_figures(cpu: bool = False, rounds: int = 1) -> dict[str, Any]:
-    """The figures above, each as min, median and max over `rounds` runs."""
+    """The figures above, each as min, median and max over `rounds` runs. A run that fails is recorded
+    under `failed` and left out of its figure; the other runs still run."""
     runs: dict[str, list[dict[str, Any]]] = {f"ranks_{ranks}": [] for ranks in RANKS}
     restarts: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
+
+    def attempt(name: str, run: Any, into: list[dict[str, Any]]) -> None:
+        try:
+            into.append(run())
+        except Exception as exc:  # noqa: BLE001 (recorded: the other runs still run)
+            traceback.print_exc()
+            failed[f"{name}.round_{len(into)}"] = f"{type(exc).__name__}: {exc}"
+
     for _ in range(rounds):
         for ranks in RANKS:
-            runs[f"ranks_{ranks}"].append(_heal_and_grow(ranks, cpu))
-        restarts.append(_restart(cpu))
+            attempt(f"ranks_{ranks}", lambda: _heal_and_grow(ranks, cpu), runs[f"ranks_{ranks}"])
+        attempt("restart", lambda: _restart(cpu), restarts)
     shared = {name: {"recovery_s": spread([r["recovery"]["recovery_s"] for r in measured]),
                      "grow_pause_s": spread([r["grow"]["pause_from_steps_s"] for r in measured]),
                      "runs": measured}
               for name, measured in runs.items()}
-    return {"nccl_shared_gpu": shared,
-            "restart_after_every_worker_s": {**spread([r["seconds"] for r in restarts]), "runs": restarts}}
+    report = {"nccl_shared_gpu": shared,
+              "restart_after_every_worker_s": {**(spread([r["seconds"] for r in restarts]) or {}), "runs": restarts}}
+    if failed:
+        report["heal_failed"] = failed
+    return report
 
 
 def _scaling(ranks: int, cpu: bool, min_workers: int) -> elastic.ScalingConfig:

@@ -5,7 +5,8 @@ batches from a `DataLoader` over pinned memory moved with `non_blocking=True` (e
 pins on CUDA itself), the loss read nowhere. Two sizes: SMALL, the demo's LM with a batch of 32
 (about 6 ms a step on an H200), and LARGE, d=512, 6 layers, 8 heads, a batch of 64 (about 27 ms).
 Each run times STEPS steps after WARMUP with the device synchronized at both ends. The
-contenders, alternating in each round so that drift hits all alike:
+contenders, in an order rotated each round so that drift hits every position alike; a contender
+that fails is recorded under `failed` and its ratios left out, and the others still run:
 
 - `plain_torch`: one process, no DDP;
 - `plain_ddp_1`, `plain_ddp_2`: DistributedDataParallel in processes of torch.multiprocessing at
@@ -27,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 
 WARMUP, STEPS = 20, 200
 CHECKPOINT_EVERY = 50
+PROCESSES_DEADLINE_S = 180.0  # a run of plain DDP's processes, or of the NCCL generations
 CONTENDERS = ("plain_torch", "plain_ddp_1", "elastic_1", "plain_ddp_2", "elastic_2", "elastic_1_checkpointed")
 
 
@@ -79,14 +82,22 @@ def step_ratios(cpu: bool = False, rounds: int = 3) -> dict[str, Any]:
                  include_dashboard=False, log_to_driver=False)
     sizes = CPU_SIZES if cpu else SIZES
     warmup, steps = (CPU_WARMUP, CPU_STEPS) if cpu else (WARMUP, STEPS)
-    times: dict[str, dict[str, list[float]]] = {name: {c: [] for c in CONTENDERS} for name in sizes}
+    times: dict[str, dict[str, list[float | None]]] = {name: {c: [] for c in CONTENDERS} for name in sizes}
+    failed: dict[str, str] = {}
     for round_index in range(rounds):
         for name, size in sizes.items():
             setting = Setting(size, cpu, warmup, steps)
-            for contender in CONTENDERS:
-                times[name][contender].append(RUNS[contender](setting))
+            shift = round_index % len(CONTENDERS)
+            for contender in CONTENDERS[shift:] + CONTENDERS[:shift]:
+                try:
+                    step_s = RUNS[contender](setting)
+                except Exception as exc:  # noqa: BLE001 (recorded: the other contenders still run)
+                    traceback.print_exc()
+                    failed[f"{name}.{contender}.round_{round_index}"] = f"{type(exc).__name__}: {exc}"
+                    step_s = None
+                times[name][contender].append(step_s)
                 print(f"[gpu_step] round {round_index} {name} {contender}: "
-                      f"{times[name][contender][-1] * 1e3:.2f} ms", file=sys.stderr, flush=True)
+                      f"{'failed' if step_s is None else f'{step_s * 1e3:.2f} ms'}", file=sys.stderr, flush=True)
     report: dict[str, Any] = {"device": "cpu" if cpu else torch.cuda.get_device_name(0), "rounds": rounds,
                               "warmup": warmup, "steps": steps, "sizes": {n: asdict(s) for n, s in sizes.items()},
                               "step_s": {n: {c: spread(t) for c, t in by.items()} for n, by in times.items()}}
@@ -95,8 +106,11 @@ def step_ratios(cpu: bool = False, rounds: int = 3) -> dict[str, Any]:
                              ("step_ratio_vs_plain_ddp_2_ranks", "elastic_2", "plain_ddp_2"),
                              ("checkpointed_step_ratio", "elastic_1_checkpointed", "elastic_1")):
         # Per round: each ratio compares runs made minutes apart at most.
-        report[key] = {name: spread([a / b for a, b in zip(times[name][over], times[name][under])])
+        report[key] = {name: spread([a / b if a is not None and b is not None else None
+                                     for a, b in zip(times[name][over], times[name][under])])
                        for name in sizes}
+    if failed:
+        report["failed"] = failed
     return report
 
 
@@ -161,10 +175,22 @@ def plain_ddp(setting: Setting, world_size: int) -> float:
     """DDP at `world_size` ranks on the one device; rank 0's mean step time."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     with tempfile.TemporaryDirectory(prefix="bench-gpu-ddp-") as out_dir:
-        mp.start_processes(_ddp_rank, args=(world_size, store.port, setting, out_dir), nprocs=world_size,
-                           start_method="spawn")
+        run_processes(_ddp_rank, (world_size, store.port, setting, out_dir), world_size)
         with open(os.path.join(out_dir, "rank0")) as f:
             return float(f.read())
+
+
+def run_processes(function: Any, args: tuple, nprocs: int, deadline_s: float = PROCESSES_DEADLINE_S) -> None:
+    """`function(rank, *args)` in `nprocs` spawned processes, joined within `deadline_s`: a hung rank is
+    killed with the others (none may keep holding the GPU for the next run) and raises TimeoutError."""
+    context = mp.start_processes(function, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    deadline = time.monotonic() + deadline_s
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"{nprocs} processes of {function.__name__} did not end within {deadline_s:g} s")
 
 
 def _ddp_rank(rank: int, world_size: int, port: int, setting: Setting, out_dir: str) -> None:
@@ -216,7 +242,7 @@ def _elastic_loop(config: dict[str, Any]) -> dict[str, float]:
     ctx = elastic.get_context()
     model = ctx.prepare_model(_model(setting))
     optimizer = ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    began = 0.0
+    began = ended = 0.0
     for step in ctx.steps(_dataset(setting)):
         if step.index == setting.warmup:
             _synchronize(setting)
@@ -227,8 +253,12 @@ def _elastic_loop(config: dict[str, Any]) -> dict[str, float]:
                 mb.backward(_loss(model, tokens))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    _synchronize(setting)
-    return {"step_s": (time.perf_counter() - began) / setting.steps}
+        if step.index == setting.warmup + setting.steps - 1:
+            # The clock stops at the last timed step, before the run's end (its final checkpoint
+            # and whole model), which the generator does before the loop ends.
+            _synchronize(setting)
+            ended = time.perf_counter()
+    return {"step_s": (ended - began) / setting.steps}
 
 
 RUNS = {
@@ -241,6 +271,10 @@ RUNS = {
 }
 
 
-def spread(values: list[float]) -> dict[str, Any]:
-    """min, median, max and the values: how every figure of benchmarks/gpu.py is written."""
-    return {"min": min(values), "median": statistics.median(values), "max": max(values), "values": values}
+def spread(values: list[float | None]) -> dict[str, Any] | None:
+    """min, median, max and the values: how every figure of benchmarks/gpu.py is written. A value of
+    None (a run that failed, a figure a run could not give) is left out of the three; None if all are."""
+    measured = [value for value in values if value is not None]
+    if not measured:
+        return None
+    return {"min": min(measured), "median": statistics.median(measured), "max": max(measured), "values": values}

@@ -54,7 +54,7 @@ def _fit_on_the_gpu(loop: Callable[[dict], dict], tmp_path, name: str,
                     checkpoint: CheckpointConfig = CheckpointConfig()) -> elastic.Result:
     """One worker on the GPU runs `loop` for the watched steps and a few beyond."""
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
     return ElasticTrainer(
         loop,
         scaling_config=ScalingConfig(num_workers=1, use_gpu=True),
