@@ -1,5 +1,6 @@
 """The prepared model's outputs under mixed precision keep their type and structure: only the
-bf16 and fp16 tensors inside are cast back to fp32 (no Ray)."""
+bf16 and fp16 tensors inside are cast back to fp32; and fp16's scaler unscales a redone step's
+gradients after a step that failed past its unscale (no Ray)."""
 
 import collections
 import dataclasses
@@ -71,3 +72,34 @@ def test_under_bf16_the_model_really_ran_in_bf16_and_fp32_is_left_alone():
         assert model(x)["hf"].logits.dtype == torch.bfloat16  # what the cast undoes
     out = Precision("fp32", torch.device("cpu")).forward(model, x)
     assert type(out["hf"]) is CausalOutput and out["hf"].logits.dtype == torch.float32
+
+
+def test_an_fp16_step_that_failed_after_its_unscale_unscales_the_redone_steps_gradients():
+    # A peer's failure can end `optimizer.step()` after GradScaler unscaled the gradients (ZeRO's
+    # gather, NCCL's landing check); the step is redone on new gradients, which must be unscaled too.
+    precision = Precision("fp16", torch.device("cpu"))
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    precision.wrap_step(optimizer)
+    failures = [RuntimeError("a peer died inside the step")]
+
+    def fail_once(*_):
+        if failures:
+            raise failures.pop()
+
+    optimizer.register_step_pre_hook(fail_once)
+    scale = precision.scaler.get_scale()
+
+    def backward_and_step():
+        optimizer.zero_grad()
+        precision.backward((weight * torch.tensor([1.0, 2.0, 3.0])).sum())
+        optimizer.step()
+
+    try:
+        backward_and_step()
+    except RuntimeError:
+        pass
+    assert torch.equal(weight.detach(), torch.ones(3)), "the failed step stepped"
+    backward_and_step()  # the redo, with gradients scaled anew
+    assert precision.scaler.get_scale() == scale  # no overflow: the scale stays for the growth interval
+    torch.testing.assert_close(weight.detach(), torch.tensor([0.0, -1.0, -2.0]))

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.comm.flat_state import buffer_dtype, flatten, unflatten
+from elastic.comm.generation import collectives_landed
 from elastic.errors import ElasticError
 
 
@@ -126,6 +127,7 @@ def sync_state(objects: RunState | dict[str, Any], progress: dict[str, Any], dev
     mine = torch.tensor([progress["step"], int(holds_state)], dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=group)
+    collectives_landed()  # on NCCL only queued: the steps read below must be whole on every rank
     steps = [int(t[0].item()) for t in gathered]
     source = steps.index(max(steps))
     result = SyncResult(source_rank=source, step=steps[source], steps_before=steps)
@@ -145,6 +147,9 @@ def sync_state(objects: RunState | dict[str, Any], progress: dict[str, Any], dev
         buffer = buffers[dtype] if is_source else torch.empty(size, dtype=buffer_dtype(dtype), device=device)
         dist.broadcast(buffer, src=source_global, group=group)
         buffers[dtype] = buffer
+    # Every rank, the source too (the check is a collective): nothing is loaded from a broadcast a
+    # death broke off on NCCL, where it was only queued.
+    collectives_landed()
     if is_source:
         return result, progress
     received = unflatten(structure, buffers)
@@ -176,6 +181,7 @@ def average_over_holders(current: Any, mine: Any | None, device: torch.device) -
         return current
     holders = torch.tensor([float(own is not None)], dtype=torch.float64, device=device)
     dist.all_reduce(holders)
+    collectives_landed()
     if holders.item() == 0:
         return current
     for dtype, buffer in buffers.items():
@@ -184,6 +190,7 @@ def average_over_holders(current: Any, mine: Any | None, device: torch.device) -
         contribution = own[dtype] if own is not None else torch.zeros_like(buffer)
         dist.all_reduce(contribution)
         buffer.copy_(contribution.div_(holders.item()))
+    collectives_landed()  # the sums, on NCCL only queued, are whole before anyone takes them
     return unflatten(structure, buffers)
 
 

@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from elastic.comm.generation import collectives_landed
 from elastic.errors import ElasticError
 from elastic.techniques.shard_plan import Layout, ShardLostError, ShardPosition, plan_reshard, scalars_at
 from elastic.techniques.shard_transfer import Holding, RankLayout, assemble, move, refreshed, wants_piece
@@ -164,6 +165,7 @@ class FullyShardedModel:
         else:
             flat = torch.cat([p.detach().reshape(-1) for p in self._initial.parameters()])
         dist.broadcast(flat, group_src=source, group=group)
+        collectives_landed()  # on NCCL only queued: no shard is cut from a broadcast a death broke off
 
         def cut(rank: int) -> Holding:
             return {PARAM: torch.cat([flat[a:b] for a, b in self._layout.spans(rank_layout.world_size, rank)])}
@@ -332,6 +334,7 @@ class ShardedParamsOptimizer(torch.optim.Optimizer):
             raise ElasticError(f"Parameters {missing} have no gradient: ZeRO steps every parameter at every step "
                                "(their optimizer state is sharded with the others'); give them zero gradients")
         self.inner.param_groups[0].update({k: v for k, v in self.param_groups[0].items() if k != "params"})
+        collectives_landed()  # the backward's reduce-scatter, on NCCL only queued, landed before the shards step
         self.inner.step()
         self._owner.stepped()
         return loss

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.utils._pytree as pytree
 
+from elastic.comm.generation import collectives_landed
 from elastic.comm.state_sync import RunState
 from elastic.config import Strategy
 from elastic.techniques.technique import Run, Technique
@@ -96,13 +97,21 @@ class Precision(Technique):
             self._stepping = True
             stepped.clear()
             try:
+                # Before the unscale reads the gradients for infs: on NCCL their all-reduce was only queued.
+                collectives_landed()
                 value = self.scaler.step(bound, *args, **kwargs)
-                self.scaler.update()
-                if not stepped and hasattr(bound, "skip_step"):
-                    bound.skip_step()
-                return value
+            except BaseException:
+                # The step failed (a peer's failure heals, and the step is redone): the scaler forgets
+                # that it unscaled these gradients, or the redo would skip its unscale, as torch's
+                # `update()` makes it forget after a step.
+                self.scaler._per_optimizer_states.pop(id(bound), None)
+                raise
             finally:
                 self._stepping = False
+            self.scaler.update()
+            if not stepped and hasattr(bound, "skip_step"):
+                bound.skip_step()
+            return value
 
         # A bound method, as the optimizer's own: LR schedulers wrap `optimizer.step.__func__`.
         optimizer.step = types.MethodType(step, optimizer)

@@ -351,8 +351,8 @@ class TrainContext(ReplicaCoordinates):
         optimizer = self.stepping.optimizer = self.techniques.prepare_optimizer(optimizer, self._state)
         if self.membership.device.type == "cuda" and not self.techniques.replaces_ddp:
             # First of the hooks: on NCCL the step's gradients may still wait on a dead peer
-            # (`elastic.comm.generation`); a failure raises here, before anything steps. Local SGD
-            # and stale synchrony, which sync without DDP, wait where they apply their sums.
+            # (`elastic.comm.generation`); a failure raises here, before anything steps. Local SGD,
+            # stale synchrony and ZeRO-2/3, which sync without DDP, wait where they apply their sums.
             optimizer.register_step_pre_hook(self._gradients_landed)
         optimizer.register_step_pre_hook(lambda *_: self.batching.check_weighted(self.stepping.current))
         self._prepared.prepare_optimizer(optimizer, self._state, lambda: self.stepping.current)

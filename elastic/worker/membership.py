@@ -250,7 +250,6 @@ class Membership:
         self._rolled_back = held.rolled_back
         # A replica's worker syncs with the same place of the other replicas only.
         sync, synced = sync_state(self._state, held.progress, self.device, holds_state, self._data_group)
-        self._group.wait_landed()  # NCCL's broadcasts were only queued: held state must be whole
         self._last_sync = model.synced(sync, synced["step"], self._state.rng)
         self._holds_state = True
         progress.load(synced)
