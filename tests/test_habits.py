@@ -15,7 +15,7 @@ import ray
 import torch
 
 import elastic
-from elastic import CheckpointConfig, DataConfig, ElasticTrainer, RunConfig, ScalingConfig
+from elastic import CheckpointConfig, DataConfig, ElasticTrainer, RunConfig, ScalingConfig, Strategy
 from elastic.checkpoint.checkpoint import Checkpoint, checkpoint_storage, verify
 from elastic.checkpoint.reported import files_to_store
 from elastic.checkpoint.storage import RunStorage
@@ -25,7 +25,7 @@ from elastic.errors import ElasticError, ReportedCheckpointError, TrainingFailed
 from elastic.worker.context import TrainContext
 from elastic.worker.mailbox import GenerationMailbox
 from elastic.worker.step import Step
-from test_techniques import _assert_exactly_once, _fit, _max_diff
+from test_techniques import _assert_exactly_once, _fit, _max_diff, _trainer
 from workloads import (GLOBAL_BATCH, build_mlp, fit_held, fit_started, hold_at_gate, regression_data,
                        regression_reference, workers_started)
 
@@ -543,3 +543,14 @@ def test_a_profile_of_the_loop_shows_elasticss_phases_and_a_workers_log_records_
     assert result.value["ranges"] == ["elastic.backward", "elastic.commit", "elastic.data", "elastic.forward"]
     joined = [(rank, message) for name, rank, message in result.value["records"] if name == "elastic.worker.membership"]
     assert joined and joined[0][0] == result.value["rank"] == 0 and "joined generation" in joined[0][1], joined
+
+
+@pytest.mark.parametrize("strategy", [Strategy(precision="fp16"), Strategy(sync="local_sgd:every=2")],
+                         ids=["fp16", "local_sgd"])
+def test_a_strategy_that_needs_the_optimizer_before_the_loop_refuses_one_prepared_at_its_first_step(
+        local_ray, tmp_path, strategy):
+    # Prepared at its first step, fp16's scaler would come too late for that step (its gradients
+    # stepped scaled), and a periodic sync's per-rank optimizer state would exist on some ranks only.
+    with pytest.raises(TrainingFailedError, match=r"needs the optimizer prepared before the loop: pass it through "
+                       r"ctx.prepare_optimizer\(optimizer\) before ctx.steps\(\)"):
+        _trainer(tmp_path, "lazy", ScalingConfig(num_workers=1), strategy, max_steps=2, prepare_optimizer=False).fit()

@@ -188,6 +188,7 @@ class PeriodicSync(Technique):
     prepared model, the `Backup` of its last sync to roll back to, the inner optimizer's state per rank."""
 
     replaces_ddp = True  # it syncs parameters, not gradients
+    lands_own_sums = True  # at each sync
 
     def __init__(self, options: Mapping[str, Any], max_steps: int | None) -> None:
         self._options, self._max_steps = options, max_steps

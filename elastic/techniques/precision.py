@@ -44,6 +44,7 @@ class Precision(Technique):
         self.device = device
         self.dtype = DTYPES.get(mode)
         self.scaler = torch.amp.GradScaler(device.type) if mode == "fp16" else None
+        self.lands_in_step = self.scaler is not None  # before the unscale (`wrap_step`)
         self._stepping = False
 
     @classmethod

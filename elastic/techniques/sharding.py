@@ -27,6 +27,7 @@ class ZeRO(Technique):
     def __init__(self, stage: int, replicas: int) -> None:
         self._stage, self._replicas = stage, replicas
         self.replaces_ddp = stage >= 2  # FSDP2 reduce-scatters the gradients itself
+        self.lands_in_step = stage >= 2  # the shards step once the reduce-scatter landed (`ShardedParamsOptimizer`)
         self._optimizer: ShardedOptimizer | None = None  # stage 1, made by prepare_optimizer
         self._sharded: Any = None  # stages 2 and 3: a FullyShardedModel, made by prepare_model
 

@@ -152,6 +152,7 @@ class StaleSync:
             return
         self._draining = True
         try:
+            collectives_landed()  # on NCCL the sums still in flight were only queued
             while self._in_flight:
                 self._set_gradients(self.params, self._in_flight.popleft().wait())
                 self._optimizer.step()
@@ -278,6 +279,7 @@ class StaleSynchrony(Technique):
     """`Strategy(sync="stale:bound=S")` as a technique: the `StaleSync` of the prepared model and optimizer."""
 
     replaces_ddp = True  # it all-reduces each step's whole gradient itself
+    lands_own_sums = True  # before a step applies a sum launched steps ago
 
     def __init__(self, bound: int, max_steps: int | None) -> None:
         self._bound, self._max_steps = bound, max_steps

@@ -71,6 +71,8 @@ class Techniques:
         self.hooks_gradients = any(t.hooks_gradients for t in self._all)
         self.keeps_torch_buckets = any(t.keeps_torch_buckets for t in self._all)
         self.steps_on_bucket_views = any(t.steps_on_bucket_views for t in self._all)
+        self.lands_in_step = any(t.lands_in_step for t in self._all)
+        self.lands_own_sums = any(t.lands_own_sums for t in self._all)
         # The hooks called at every step and bucket go only to the techniques that act there: a
         # step of a run with none of them calls none (the no-op base hooks cost a call each).
         self._after_reduce = _acting(self._all, Technique.after_reduce)

@@ -68,6 +68,12 @@ class Technique:
     keeps_torch_buckets = False  # DDP keeps torch's bucket size rather than the gloo one
     steps_on_bucket_views = False  # the gradients must be views of DDP's buckets
     shards_optimizer = False  # the optimizer's state is sharded, not registered as replicated
+    # Where a step waits for its NCCL collectives to land (`elastic.comm.generation.collectives_landed`):
+    # by default the optimizer's first pre-hook does; a technique whose own step waits says so
+    # (`lands_in_step`), and one that waits where it applies its own sums, and lands nothing a step,
+    # says that (`lands_own_sums`). Every rank must wait as often as its peers: the wait is a collective.
+    lands_in_step = False
+    lands_own_sums = False
     bytes_sent = 0  # what this rank handed to the technique's collectives
     syncs = 0  # its periodic syncs done
 

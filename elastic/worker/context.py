@@ -295,6 +295,17 @@ class TrainContext(ReplicaCoordinates):
         params = {id(p) for p in model.parameters()} if isinstance(model, torch.nn.Module) else set()
         if not any(id(p) in params for group in optimizer.param_groups for p in group["params"]):
             return
+        strategy = self.techniques.strategy
+        needs_it_first = [f"{name}={getattr(strategy, name)!r}" for name in ("precision", "sync")
+                          if name == "precision" and strategy.precision == "fp16"
+                          or name == "sync" and strategy.sync != Strategy.model_fields["sync"].default]
+        if needs_it_first:
+            # fp16's scaler wraps the step (prepared at its first call, that call would step on scaled
+            # gradients), and a periodic or stale sync keeps per-rank state of the optimizer from the
+            # first formation on, which a newcomer without one would not take part in.
+            raise ElasticError(f"Strategy({', '.join(needs_it_first)}) needs the optimizer prepared before the loop: "
+                               "pass it through ctx.prepare_optimizer(optimizer) before ctx.steps() and step the one "
+                               "it returns")
         if self.prepare_optimizer(optimizer) is not optimizer:
             raise ElasticError(f"this run's Strategy wraps the optimizer ({type(self.stepping.optimizer).__name__}): "
                                "pass it through ctx.prepare_optimizer(optimizer) before the loop and step the one "
@@ -349,10 +360,11 @@ class TrainContext(ReplicaCoordinates):
         if self.stepping.optimizer is not None:
             raise ElasticError("prepare_optimizer() was called twice; elastic syncs one optimizer per run")
         optimizer = self.stepping.optimizer = self.techniques.prepare_optimizer(optimizer, self._state)
-        if self.membership.device.type == "cuda" and not self.techniques.replaces_ddp:
+        techniques = self.techniques
+        if self.membership.device.type == "cuda" and not (techniques.lands_in_step or techniques.lands_own_sums):
             # First of the hooks: on NCCL the step's gradients may still wait on a dead peer
-            # (`elastic.comm.generation`); a failure raises here, before anything steps. Local SGD,
-            # stale synchrony and ZeRO-2/3, which sync without DDP, wait where they apply their sums.
+            # (`elastic.comm.generation`); a failure raises here, before anything steps. ZeRO-2/3 and
+            # fp16 wait inside their step, local SGD and stale synchrony where they apply their sums.
             optimizer.register_step_pre_hook(self._gradients_landed)
         optimizer.register_step_pre_hook(lambda *_: self.batching.check_weighted(self.stepping.current))
         self._prepared.prepare_optimizer(optimizer, self._state, lambda: self.stepping.current)

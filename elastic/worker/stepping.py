@@ -56,9 +56,9 @@ class Stepping:
 
     def end(self, step: Step, exc: BaseException | None) -> bool:
         """The `with step:` block ended; True to swallow `exc`, a peer's failure the next join heals."""
-        if exc is None and not step.committed and step.failed is None:
-            # No optimizer stepped, whose first pre-hook waits for the step's collectives to land:
-            # they land here, so that every rank waits once a step (on NCCL the wait is a collective).
+        if exc is None and not step.committed and step.failed is None and not self._techniques.lands_own_sums:
+            # No optimizer stepped, whose step waits for the step's collectives to land: they land
+            # here, so that every rank waits once a step (on NCCL the wait is a collective).
             try:
                 collectives_landed()
             except Exception as unlanded:
