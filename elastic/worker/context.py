@@ -296,9 +296,8 @@ class TrainContext(ReplicaCoordinates):
         if not any(id(p) in params for group in optimizer.param_groups for p in group["params"]):
             return
         strategy = self.techniques.strategy
-        needs_it_first = [f"{name}={getattr(strategy, name)!r}" for name in ("precision", "sync")
-                          if name == "precision" and strategy.precision == "fp16"
-                          or name == "sync" and strategy.sync != Strategy.model_fields["sync"].default]
+        needs_it_first = ([f"precision={strategy.precision!r}"] if strategy.precision == "fp16" else []) + (
+            [f"sync={strategy.sync!r}"] if strategy.sync != Strategy.model_fields["sync"].default else [])
         if needs_it_first:
             # fp16's scaler wraps the step (prepared at its first call, that call would step on scaled
             # gradients), and a periodic or stale sync keeps per-rank state of the optimizer from the
