@@ -285,6 +285,18 @@ def collectives_landed(*_: Any) -> None:
         group.wait_landed()
 
 
+def landing_failure() -> BaseException | None:
+    """`collectives_landed()` for the callers that keep a peer failure on a step or a block rather
+    than raise it: the peer failure, or None once the collectives landed. Any other error raises."""
+    try:
+        collectives_landed()
+    except Exception as exc:
+        if not peer_failed(exc):
+            raise
+        return exc
+    return None
+
+
 def peer_failed(exc: BaseException) -> bool:
     """Whether `exc` ended a collective because the generation lost a peer (it died, left, or was
     cut off, or the controller moved on), rather than being the train loop's own error."""

@@ -43,8 +43,8 @@ from typing import Any, Callable
 import torch
 
 from elastic.checkpoint.checkpoint import Checkpoint
-from elastic.comm.generation import collectives_landed
 from elastic.comm.flat_state import flatten, unflatten
+from elastic.comm.generation import collectives_landed
 from elastic.comm.state_sync import RunState, load_into, state_of
 from elastic.config import StaleSpec, Strategy
 from elastic.techniques.shard_plan import ShardPosition

@@ -34,7 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from elastic.checkpoint.checkpoint import Checkpoint, CheckpointWriter
 from elastic.comm.collectives import Collectives
-from elastic.comm.generation import collectives_landed, peer_failed
+from elastic.comm.generation import collectives_landed, landing_failure, peer_failed
 from elastic.comm.group import GenerationSpec
 from elastic.comm.links import GroupLinks
 from elastic.comm.state_sync import AwaitedState, RunState
@@ -334,12 +334,9 @@ class TrainContext(ReplicaCoordinates):
         current = self.stepping.current
         if current is not None and current.failed is not None:
             return  # failed already: nothing will step
-        try:
-            collectives_landed()
-        except Exception as exc:
-            if not peer_failed(exc):
-                raise
-            self._keep_failure_on_step(f"{type(exc).__name__}: {exc}")
+        failure = landing_failure()
+        if failure is not None:
+            self._keep_failure_on_step(f"{type(failure).__name__}: {failure}")
 
     def _nothing_to_step_if_failed(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         """In Ray Train's loop shape the loop steps the optimizer after a failed backward too: with

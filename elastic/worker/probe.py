@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from elastic.comm.generation import GenerationGroup, collectives_landed, wait_p2p
+from elastic.comm.generation import GenerationGroup, collectives_landed, landing_failure, wait_p2p
 
 # The project's own waits on peers: on sends and receives (torch's schedules' too), and on NCCL's
 # collectives to land (a CUDA event's wait, in no torch.distributed frame).
-_PEER_WAITS = frozenset({wait_p2p.__code__, GenerationGroup.wait_landed.__code__, collectives_landed.__code__})
+_PEER_WAITS = frozenset({wait_p2p.__code__, GenerationGroup.wait_landed.__code__, collectives_landed.__code__,
+                         landing_failure.__code__})
 
 if TYPE_CHECKING:
     from elastic.parallel.prepared import ComputeFrames

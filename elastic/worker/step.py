@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from elastic.comm.generation import collectives_landed, peer_failed
+from elastic.comm.generation import landing_failure, peer_failed
 from elastic.comm.group import GenerationSpec
 from elastic.data import order as data_math
 from elastic.errors import ElasticError
@@ -139,12 +139,7 @@ class BetweenSteps:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is None:
-            try:
-                collectives_landed()  # on NCCL the block's collectives were only queued
-            except Exception as unlanded:
-                if not peer_failed(unlanded):
-                    raise
-                exc = unlanded
+            exc = landing_failure()  # on NCCL the block's collectives were only queued
         if exc is None or not peer_failed(exc):
             return False
         # Keep the message, not the exception: its traceback would keep the old group alive.

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from elastic.comm.generation import collectives_landed, peer_failed
+from elastic.comm.generation import landing_failure, peer_failed
 from elastic.techniques.strategy import Techniques
 from elastic.worker.batching import MicroBatching
 from elastic.worker.injection import FaultInjector
@@ -59,12 +59,7 @@ class Stepping:
         if exc is None and not step.committed and step.failed is None and not self._techniques.lands_own_sums:
             # No optimizer stepped, whose step waits for the step's collectives to land: they land
             # here, so that every rank waits once a step (on NCCL the wait is a collective).
-            try:
-                collectives_landed()
-            except Exception as unlanded:
-                if not peer_failed(unlanded):
-                    raise
-                exc = unlanded
+            exc = landing_failure()
         if exc is None:
             with phase("elastic.commit"):
                 self.commit()
