@@ -47,7 +47,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -57,7 +56,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from benchmarks import gpu_heal, gpu_step
-from benchmarks.gpu_step import run_processes, spread
+from benchmarks.gpu_step import attempt, run_processes, spread
 from benchmarks.bench import _provenance, command_line
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,12 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     _start_ray(args.cpu)
     # Each part's figures are written as they come, and a part that fails is recorded and the next one
     # runs: on a lent GPU's short budget, one broken part must not cost the others.
+    failed: dict[str, str] = {}
     for name, part in parts:
-        try:
-            report.update(part())
-        except Exception as exc:
-            traceback.print_exc()
-            report.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"
+        report.update(attempt(name, part, failed) or {})
+        if failed:
+            report["failed"] = failed
         report.update(_provenance(command_line("benchmarks.gpu", argv), time.time() - started))
         _save(report, out)
     print(json.dumps(report, indent=2))
@@ -127,25 +125,19 @@ def _generations(cpu: bool) -> dict[str, Any]:
     """`nccl_generations` at 1, 2 and 4 ranks, each on its own: a size that fails is recorded, the next one runs."""
     figures: dict[str, Any] = {}
     for size in (1, 2, 4):
-        try:
-            figures[str(size)] = nccl_generations(size, cpu=cpu)
-        except Exception as exc:  # noqa: BLE001 (recorded: the other sizes still run)
-            traceback.print_exc()
-            figures[str(size)] = {"failed": f"{type(exc).__name__}: {exc}"}
+        failed: dict[str, str] = {}  # a size that fails reads {"failed": its error}
+        figures[str(size)] = attempt("failed", lambda: nccl_generations(size, cpu=cpu), failed) or failed
     return {"nccl_generations": figures, "nccl_abort_on_critical_path_s": figures["2"].get("critical_path_s")}
 
 
 def _gpu_parts(args: argparse.Namespace) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
-    def generations() -> dict[str, Any]:
-        return _generations(cpu=False)
-
     def step() -> dict[str, Any]:
         figures = gpu_step.step_ratios(rounds=args.rounds)
         return {**{key: figures.pop(key) for key in STEP_KEYS}, "step": figures}
 
     # The issues' figures first (38: the abort and the heals; 40: the stall and the step), the LM's
     # own speed last: a run cut short by a lent GPU's budget keeps the ones that decide most.
-    return [("nccl_generations", generations),
+    return [("nccl_generations", lambda: _generations(cpu=False)),
             ("heal", lambda: gpu_heal.heal_figures(rounds=args.heal_rounds)),
             ("checkpoint_stall", lambda: {"checkpoint_stall": checkpoint_stall()}),
             ("step", step),

@@ -23,12 +23,11 @@ its own to NCCL: `elastic.comm.binding.separate_ranks_sharing_a_gpu`).
 from __future__ import annotations
 
 import tempfile
-import traceback
 from typing import Any
 
 import elastic
 from benchmarks import elastic_run, protocol_run
-from benchmarks.gpu_step import spread
+from benchmarks.gpu_step import attempt, spread
 
 STEP_SLEEP_S = 0.015
 STEPS, KILL_STEP = 900, 100
@@ -40,22 +39,17 @@ CPU_STEPS, CPU_KILL_STEP = 400, 40  # gloo's steps on a 2-core machine are slowe
 
 def heal_figures(cpu: bool = False, rounds: int = 1) -> dict[str, Any]:
     """The figures above, each as min, median and max over `rounds` runs. A run that fails is recorded
-    under `failed` and left out of its figure; the other runs still run."""
+    under `heal_failed` and left out of its figure; the other runs still run."""
     runs: dict[str, list[dict[str, Any]]] = {f"ranks_{ranks}": [] for ranks in RANKS}
     restarts: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
-
-    def attempt(name: str, run: Any, into: list[dict[str, Any]]) -> None:
-        try:
-            into.append(run())
-        except Exception as exc:  # noqa: BLE001 (recorded: the other runs still run)
-            traceback.print_exc()
-            failed[f"{name}.round_{len(into)}"] = f"{type(exc).__name__}: {exc}"
-
-    for _ in range(rounds):
+    for round_index in range(rounds):
         for ranks in RANKS:
-            attempt(f"ranks_{ranks}", lambda: _heal_and_grow(ranks, cpu), runs[f"ranks_{ranks}"])
-        attempt("restart", lambda: _restart(cpu), restarts)
+            runs[f"ranks_{ranks}"].append(
+                attempt(f"ranks_{ranks}.round_{round_index}", lambda: _heal_and_grow(ranks, cpu), failed))
+        restarts.append(attempt(f"restart.round_{round_index}", lambda: _restart(cpu), failed))
+    runs = {name: [run for run in measured if run is not None] for name, measured in runs.items()}
+    restarts = [run for run in restarts if run is not None]
     shared = {name: {"recovery_s": spread([r["recovery"]["recovery_s"] for r in measured]),
                      "grow_pause_s": spread([r["grow"]["pause_from_steps_s"] for r in measured]),
                      "runs": measured}

@@ -31,7 +31,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -89,12 +89,7 @@ def step_ratios(cpu: bool = False, rounds: int = 3) -> dict[str, Any]:
             setting = Setting(size, cpu, warmup, steps)
             shift = round_index % len(CONTENDERS)
             for contender in CONTENDERS[shift:] + CONTENDERS[:shift]:
-                try:
-                    step_s = RUNS[contender](setting)
-                except Exception as exc:  # noqa: BLE001 (recorded: the other contenders still run)
-                    traceback.print_exc()
-                    failed[f"{name}.{contender}.round_{round_index}"] = f"{type(exc).__name__}: {exc}"
-                    step_s = None
+                step_s = attempt(f"{name}.{contender}.round_{round_index}", lambda: RUNS[contender](setting), failed)
                 times[name][contender].append(step_s)
                 print(f"[gpu_step] round {round_index} {name} {contender}: "
                       f"{'failed' if step_s is None else f'{step_s * 1e3:.2f} ms'}", file=sys.stderr, flush=True)
@@ -269,6 +264,17 @@ RUNS = {
     "elastic_2": lambda s: elastic_run(s, 2),
     "elastic_1_checkpointed": lambda s: elastic_run(s, 1, CHECKPOINT_EVERY),
 }
+
+
+def attempt(key: str, call: Callable[[], Any], failed: dict[str, str]) -> Any:
+    """`call()`, or None if it raised: the error goes into `failed` under `key` and its traceback to
+    stderr. On a lent GPU's short budget one broken run must not cost the others' figures."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 (recorded: the other runs still run)
+        traceback.print_exc()
+        failed[key] = f"{type(exc).__name__}: {exc}"
+        return None
 
 
 def spread(values: list[float | None]) -> dict[str, Any] | None:
