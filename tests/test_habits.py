@@ -356,6 +356,7 @@ def ray_train_loop(config: dict) -> dict:
     loader = elastic.prepare_data_loader(torch.utils.data.DataLoader(regression_data(), batch_size=32, shuffle=True))
     ctx = elastic.get_context()
     batches, world_sizes = 0, set()
+    loss = torch.tensor(float("nan"))  # what a newcomer that joins as the run ends, and trains no batch, reports
     for epoch in range(config["epochs"]):
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
@@ -366,6 +367,8 @@ def ray_train_loop(config: dict) -> dict:
             batches += 1
             world_sizes.add(ctx.get_world_size())
             hold_at_gate(config, ctx.step - 1)
+            if ctx.step == config.get("rank_1_dies_after") and ctx.get_world_rank() == 1:
+                os._exit(1)  # its step committed; its peers learn of it in the next collective
         elastic.report({"loss": loss.item(), "epoch": epoch})
     if config.get("record_to"):  # where each loop returned, the newcomer's included
         with open(os.path.join(config["record_to"], f"{os.getpid()}.txt"), "w") as record:
@@ -465,6 +468,28 @@ def test_a_ray_train_loop_without_a_data_config_takes_the_loaders_batch_heals_an
     for name, value in reference["params"].items():
         torch.testing.assert_close(healed.value["params"][name], value, rtol=1e-9, atol=1e-12)
         torch.testing.assert_close(healed.model_state_dict()[name], value, rtol=1e-9, atol=1e-12)
+
+
+def test_a_spare_that_joins_as_the_run_ends_writes_its_shard_of_the_final_checkpoint(local_ray, tmp_path):
+    # Rank 1 dies once the last step (16) committed: the survivor learns it in the loops' agreement
+    # to end, and heals with the warm spare, which joins at step 16 and is offered no step. Every
+    # member of that last generation writes a shard of the final checkpoint; the spare once wrote
+    # none, so the checkpoint of step 16 was never complete.
+    gate = str(tmp_path / "spare-is-warm")
+    ended = fit_held(ElasticTrainer(
+        ray_train_loop, train_loop_config={"epochs": 2, "gate": (8, gate), "rank_1_dies_after": 16},
+        scaling_config=ScalingConfig(num_workers=(1, 2), spare_workers=1),
+        run_config=RunConfig(name="spare-at-the-end", storage_path=str(tmp_path),
+                             checkpoint_config=CheckpointConfig(every_steps=4)),
+        show_progress=False), workers_started(3))
+    assert ended.step == 16
+    heal = ended.events_of("generation_formed")[-1]
+    assert heal["kind"] == "heal" and heal["world_size"] == 2 and heal["step"] == 16, heal
+    assert ended.checkpoint.step == 16 and ended.checkpoint.world_size == 2
+    assert not ended.events_of("warning")
+    kept = ended.checkpoint.model_state_dict()
+    for name, value in ended.value["params"].items():
+        torch.testing.assert_close(kept[name], value, rtol=0, atol=0)
 
 
 def batch_norm_loop(config: dict) -> int:

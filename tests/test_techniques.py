@@ -128,6 +128,24 @@ def test_local_sgd_heals_a_death_by_rolling_back_to_its_last_sync(local_ray, tmp
     _assert_exactly_once(result.value["ledger"], MAX_STEPS)
 
 
+def test_a_spare_that_joins_local_sgd_between_two_checkpoints_of_one_sync_decides_the_second_as_its_peers(
+        local_ray, tmp_path):
+    # A timed checkpoint is due at every agreement (each 8 steps, taken a step later) and keeps the
+    # state of the last sync, every 16: the one at step 25 keeps step 16's, which the one at step
+    # 17 wrote, so it is skipped. Rank 1 dies at step 20 and the warm spare joins the heal (at
+    # 16, the last sync); the spare never checkpointed, and once took the one at step 25 alone,
+    # averaging the inner optimizer's state over the holders: collectives its peer skipped.
+    result = _fit_held(tmp_path, "local-sgd-spare", 0, workers_started(3),
+                       scaling=ScalingConfig(min_workers=1, max_workers=2, spare_workers=1),
+                       strategy=Strategy(sync="local_sgd:every=16"), faults=[Fault(kind="kill", rank=1, step=20)],
+                       checkpoint=CheckpointConfig(every_s=0.001), max_steps=40)
+    heal = result.events_of("generation_formed")[1]
+    assert heal["kind"] == "heal" and heal["world_size"] == 2 and heal["step"] == 16, heal
+    _assert_exactly_once(result.value["ledger"], 40)
+    assert not result.events_of("warning")
+    assert result.checkpoint.step == 40 and result.checkpoint.world_size == 2
+
+
 # The suite's time on 2 cores: the rollback to the last sync runs in CI through EASGD's (below) and
 # local SGD's heals, and DiLoCo's outer step through a grow in the one-step-interval test above.
 @pytest.mark.soak

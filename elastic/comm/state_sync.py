@@ -32,6 +32,7 @@ class SyncResult:
     source_rank: int
     step: int
     steps_before: list[int]
+    held: bool  # some rank held the run's live state: a heal or a grow, not a start or a restart
 
 
 StateKind = Literal["replicated", "per-rank", "sharded"]
@@ -129,9 +130,10 @@ def sync_state(objects: RunState | dict[str, Any], progress: dict[str, Any], dev
     dist.all_gather(gathered, mine, group=group)
     collectives_landed()  # on NCCL only queued: the steps read below must be whole on every rank
     steps = [int(t[0].item()) for t in gathered]
+    holds = [bool(t[1].item()) for t in gathered]
     source = steps.index(max(steps))
-    result = SyncResult(source_rank=source, step=steps[source], steps_before=steps)
-    if world_size == 1 or (all(int(t[1].item()) for t in gathered) and min(steps) == max(steps)):
+    result = SyncResult(source_rank=source, step=steps[source], steps_before=steps, held=any(holds))
+    if world_size == 1 or (all(holds) and min(steps) == max(steps)):
         # Every rank holds the live state of the same step: the same state, since every
         # step gave each of them the same all-reduced gradients. There is nothing to send.
         return result, progress

@@ -188,6 +188,9 @@ class Techniques:
             own.put(average_over_holders(own.get(), held.per_rank[own.name] if same_step else None, self.device))
         for technique in self._all:
             technique.after_sync(held.position, state, progress, resume_from)
+        # Whether a checkpoint skips a kept state it wrote before is decided alike by every member
+        # (its averages are collectives), and a newcomer wrote none: the generation starts afresh.
+        self._last_checkpointed = -1
 
     def _rank_states(self) -> list[RankState]:
         return [state for technique in self._all for state in technique.rank_states(self._optimizer)]

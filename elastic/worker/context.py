@@ -147,9 +147,8 @@ class TrainContext(ReplicaCoordinates):
         self._progress = Progress(seed=data_config.seed)
         self.entered_steps = False  # whether the train loop iterated steps()
         self._steps_ended = False  # the run's last step committed here: final checkpoint and model taken
-        # steps() offered a step: this worker trains in the run's last generation, whose every member
-        # writes a shard of the final checkpoint (none did where a resumed run was already at its end).
-        self._offered_a_step = False
+        # The generation in which steps() last offered a step (None: none yet).
+        self._offered_in: int | None = None
         self._committed_here = False  # a step committed in this worker (one that joined as the run ended trained none)
         # Whether the data-parallel model prepare_model returned was called inside a step (None: no such model).
         self.model_called: bool | None = None
@@ -499,7 +498,7 @@ class TrainContext(ReplicaCoordinates):
             progress.cursor = loader.settle(progress.cursor)
             step = Step(self, spec, progress.step, progress.cursor, loader.step_samples(progress.cursor))
             stepping.current = step
-            self._offered_a_step = True
+            self._offered_in = spec.generation
             yield step
             stepping.current = None
             if not step.entered:
@@ -541,7 +540,11 @@ class TrainContext(ReplicaCoordinates):
         self._steps_ended = True
         self.stepping.current = None
         self.snapshots.drop_flag()
-        if self._offered_a_step:
+        # Every member of the run's last generation writes a shard of its final checkpoint, so each
+        # decides from facts they all share: steps were offered in this generation, or it formed
+        # around members that trained (a newcomer that joined as the last step committed, which
+        # was offered none). A run resumed at its end has neither, and writes none.
+        if self._offered_in == self.membership.generation or self.membership.continues_training:
             self.snapshots.final()
         self._keep_final_model()
         self.batching.loader.close()

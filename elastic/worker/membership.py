@@ -107,6 +107,12 @@ class Membership:
         return self.spec.rank if self.spec else -1
 
     @property
+    def continues_training(self) -> bool:
+        """Some member of this generation held the run's live state when it formed (a heal or a grow):
+        a fact every member shares, a newcomer too."""
+        return self._last_sync is not None and self._last_sync.held
+
+    @property
     def world_size(self) -> int:
         return self.spec.world_size if self.spec else 0
 

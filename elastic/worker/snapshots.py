@@ -67,7 +67,7 @@ class Snapshots:
         self._last_checkpoint = time.monotonic()
         self._flag: tuple[Callable[[], Any], torch.Tensor] | None = None  # its wait, and where the MAX lands
         self._buffers = HostBuffers()  # reused by every snapshot of the same sizes
-        self._taken_step: int | None = None  # the step of the last snapshot taken
+        self._taken: tuple[int, int] | None = None  # (generation, step) of the last snapshot taken
 
     def add_file(self, name: str, data: bytes) -> None:
         if not name or "/" in name or name.startswith("."):
@@ -91,8 +91,10 @@ class Snapshots:
             self._launch_flag()
 
     def final(self) -> None:
-        """After the run's last step: checkpoint it, unless the schedule just did."""
-        if self.config.enabled and self._taken_step != self._progress.step:
+        """After the run's last step: checkpoint it, unless this generation's schedule just did (a
+        generation that formed after its members checkpointed the step, around a newcomer, takes it
+        again: every member's shard, which each decides alike)."""
+        if self.config.enabled and self._taken != (self._membership.generation, self._progress.step):
             self.take()
 
     def _launch_flag(self) -> None:
@@ -147,7 +149,7 @@ class Snapshots:
         kept = self._techniques.checkpoint_state(self._state, self._progress.to_dict())
         if kept is None:
             return  # local SGD has not synced since the last checkpoint: nothing new to keep
-        self._taken_step = self._progress.step
+        self._taken = (self._membership.generation, self._progress.step)
         snapshot = take_snapshot(*kept, pool=self._buffers, optimizer_shard=self._techniques.optimizer_shard())
         membership = self._membership
         rank = membership.rank
