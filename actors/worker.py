@@ -34,7 +34,7 @@ from elastic.parallel.replicas import ReplicaShape
 from elastic.worker.context import TrainContext, _set_current
 from elastic.worker.mailbox import GenerationMailbox
 from elastic.worker.logs import record_rank
-from elastic.worker.reports import REPORT_INTERVAL_S, ReportQueue
+from elastic.worker.reports import REPORT_INTERVAL_S, ReportQueue, ReportSender
 
 # `with step` and ctx.between_steps() heal a peer's death; one that reaches here came from a
 # collective the train loop called outside both.
@@ -94,8 +94,7 @@ class Worker:
         self.address = ""  # this node's, which its peers' connections see
         self._straggler_check = straggler_check  # it reads every rank's compute and links (find_slow_link)
         self._stop = threading.Event()
-        self._sending: list[ray.ObjectRef] = []  # ingest calls the controller may not have run yet
-        self._sending_lock = threading.Lock()  # the report thread and the run's final flush both send
+        self._sender = ReportSender(self._reports, lambda items: controller.ingest.remote(worker_id, items))
         threading.Thread(target=self._flush_loop, daemon=True, name="elastic-reports").start()
 
     @ray.method(concurrency_group="train")
@@ -193,21 +192,10 @@ class Worker:
             self._flush()
 
     def _flush(self, final: bool = False) -> None:
-        """Send the reports due (`ReportQueue.take`); `final` sends all and waits until the controller
-        has every report this worker sent, the report thread's too: the controller, an async actor,
-        may run calls out of order, and learns the run's outcome without one."""
-        with self._sending_lock:
-            items = self._reports.take(self.ctx.rank, self.ctx.world_size, time.time(), final)
-            if items:
-                links = self._links_sample() if self._straggler_check else None
-                if links:
-                    items.append(links)
-                self._sending.append(self._controller.ingest.remote(self.worker_id, items))
-            if final:
-                ray.get(self._sending)
-                self._sending = []
-            elif self._sending:
-                _, self._sending = ray.wait(self._sending, num_returns=len(self._sending), timeout=0)
+        """Send the reports due; `final` sends all and waits until the controller has every report
+        this worker sent (`ReportSender`)."""
+        self._sender.flush(self.ctx.rank, self.ctx.world_size, time.time(), final,
+                           self._links_sample if self._straggler_check else lambda: None)
 
     def _links_sample(self) -> dict[str, Any] | None:
         """What this generation's connections sent each peer so far, for the controller's check of

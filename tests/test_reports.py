@@ -1,15 +1,19 @@
 """Which reports reach the controller (`elastic.worker.reports`): its calls do not grow with the
 world size, and the per-step figures it journals (steps, step time, metrics) and the last step's
-time that the hang deadline counts from are the same as when every rank reported. No Ray, no
-clocks: simulated ranks, each with its `ReportQueue`, at fake times."""
+time that the hang deadline counts from are the same as when every rank reported. No clocks:
+simulated ranks, each with its `ReportQueue`, at fake times; Ray only where the calls are sent
+(`ReportSender`), to an async actor as the controller is."""
 
+import asyncio
 import collections
 import math
 
 import pytest
+import ray
 
 from elastic.controller.tally import RunTally
-from elastic.worker.reports import HOLD_S, REPORT_CALLS_PER_S, REPORT_INTERVAL_S, ReportQueue, interval_s
+from elastic.worker.reports import (HOLD_S, REPORT_CALLS_PER_S, REPORT_INTERVAL_S, ReportQueue, ReportSender,
+                                    interval_s)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -170,3 +174,31 @@ def test_a_rank_other_than_0_keeps_only_its_last_seconds_of_reports():
         assert queue.take(1, 4, step * STEP_S) == []
     held = queue.take(0, 4, 1000 * STEP_S)
     assert [item["step"] for item in held] == list(range(1000 - round(HOLD_S / STEP_S) - 1, 1000))
+
+
+@ray.remote
+class SlowToIngest:
+    """An async actor, as the controller is, busy with the call carrying step 0 for a second:
+    the calls after it run meanwhile."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    async def ingest(self, items: list[dict]) -> None:
+        if items[0]["step"] == 0:
+            await asyncio.sleep(1.0)
+        self.steps += [item["step"] for item in items]
+
+    def ingested(self) -> list[int]:
+        return self.steps
+
+
+def test_the_runs_last_flush_returns_once_the_controller_ran_the_report_threads_calls_too(local_ray):
+    controller = SlowToIngest.remote()
+    queue = ReportQueue(every_rank=False)
+    sender = ReportSender(queue, controller.ingest.remote)
+    queue.add(step_item(0, rank=0, world_size=1, at=0.0))
+    sender.flush(rank=0, world_size=1, now=0.0)  # the report thread's turn: sent, not waited for
+    queue.add(step_item(1, rank=0, world_size=1, at=0.1))
+    sender.flush(rank=0, world_size=1, now=0.1, final=True)  # the train loop returned
+    assert sorted(ray.get(controller.ingested.remote())) == [0, 1]
