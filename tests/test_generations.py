@@ -106,6 +106,27 @@ def _check(results, device_type):
     assert all(r["device"].startswith(device_type) for r in results)
 
 
+@pytest.mark.timeout(10)  # what failed it: the boundary below waited for ever
+@pytest.mark.parametrize("came_first", ["abort", "newer offer"])
+def test_a_prepare_that_runs_after_its_generation_was_settled_promises_nothing(came_first):
+    # The controller prepares generation 1, a member dies, and it aborts 1 and offers 2 at once:
+    # on the worker's control threads the prepare may run last. A promise made then was never
+    # released, and the train thread stood still at step 5 + PREPARE_SLACK_STEPS until the hang
+    # check evicted it.
+    mailbox = GenerationMailbox()
+    mailbox.offer(_spec(0, 0, 2, 0, "gloo"))
+    assert mailbox.at_boundary(5, 0) is None
+    if came_first == "abort":
+        mailbox.abort(1)
+        running = 0
+    else:
+        mailbox.offer(_spec(2, 0, 1, 0, "gloo"))
+        assert mailbox.at_boundary(5, 0).generation == 2  # taken at once: a heal
+        running = 2
+    assert mailbox.prepare(1) == 5
+    assert mailbox.at_boundary(5 + PREPARE_SLACK_STEPS, running) is None
+
+
 def test_ranks_switch_generation_at_the_same_step_boundary_over_gloo():
     _check(_run(2, "gloo"), "cpu")
 

@@ -14,7 +14,9 @@ A planned switch is agreed in two phases, without any collective on the training
    than a step.
 
 `abort(g)` releases that promise. Only the newest offer matters: a generation superseded
-before it formed is never joined.
+before it formed is never joined. The controller's calls run on several threads, so a `prepare(g)`
+can run after g's abort or a newer offer (a member died as the grow was prepared): it answers,
+and promises nothing, since nothing would release that promise.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class GenerationMailbox:
         self._on_formed = on_formed
         self._newest: GenerationSpec | None = None
         self._prepared: tuple[int, int] | None = None  # (generation, step answered)
+        self._settled = -1  # the newest generation offered or aborted
         self._step = 0
         self._announced = False
         self._closed: str | None = None
@@ -49,6 +52,7 @@ class GenerationMailbox:
     # --- control thread ------------------------------------------------------------------
     def offer(self, spec: GenerationSpec) -> None:
         with self._cond:
+            self._settled = max(self._settled, spec.generation)
             if self._newest is None or spec.generation > self._newest.generation:
                 self._newest = spec
                 if self._prepared and self._prepared[0] <= spec.generation:
@@ -58,11 +62,13 @@ class GenerationMailbox:
     def prepare(self, generation: int) -> int:
         """Phase one of a planned switch: the step this rank is at, and a promise (see above)."""
         with self._cond:
-            self._prepared = (generation, self._step)
+            if generation > self._settled:
+                self._prepared = (generation, self._step)
             return self._step
 
     def abort(self, generation: int) -> None:
         with self._cond:
+            self._settled = max(self._settled, generation)
             if self._prepared and self._prepared[0] == generation:
                 self._prepared = None
             if self._newest is not None and self._newest.generation == generation:
