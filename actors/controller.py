@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -386,6 +387,10 @@ class Controller:
         except RayActorError as exc:
             self.inbox.put_nowait(signals.WorkerExited(worker_id, signals.Exit.DIED,
                                                        f"{type(exc).__name__}: worker process died"))
+            return
+        except Exception as exc:  # `run` itself failed past the train loop (its last flush): the run must hear of it
+            self.inbox.put_nowait(signals.WorkerExited(worker_id, signals.Exit.APP_ERROR, f"{type(exc).__name__}: {exc}",
+                                                       traceback=traceback.format_exc()))
             return
         self.inbox.put_nowait(signals.WorkerExited(
             worker_id, signals.Exit(outcome["outcome"]), outcome.get("error", outcome.get("reason", "")),

@@ -74,10 +74,12 @@ class Worker:
         self._controller = controller
         # Without the straggler check only replica 0's reports reach the controller (elastic.worker.reports).
         self._reports = ReportQueue(every_rank=straggler_check, replica_size=shape.size)
+        # The run's last flush waits for every one-way call to the controller (ReportSender).
+        self._sender = sender = ReportSender(self._reports, lambda items: controller.ingest.remote(worker_id, items))
         self.mailbox = GenerationMailbox(
-            on_waiting=lambda: controller.worker_ready.remote(worker_id, self.info()),
-            on_broken=lambda g: controller.group_broken.remote(worker_id, g),
-            on_formed=lambda g, outcome: controller.formed.remote(worker_id, g, outcome),
+            on_waiting=lambda: sender.track(controller.worker_ready.remote(worker_id, self.info())),
+            on_broken=lambda g: sender.track(controller.group_broken.remote(worker_id, g)),
+            on_formed=lambda g, outcome: sender.track(controller.formed.remote(worker_id, g, outcome)),
         )
         # Both calls block their (background or dying) caller until the controller has the news.
         writer = CheckpointWriter(storage, on_written=lambda report: ray.get(controller.shard_written.remote(worker_id, report)))
@@ -94,7 +96,6 @@ class Worker:
         self.address = ""  # this node's, which its peers' connections see
         self._straggler_check = straggler_check  # it reads every rank's compute and links (find_slow_link)
         self._stop = threading.Event()
-        self._sender = ReportSender(self._reports, lambda items: controller.ingest.remote(worker_id, items))
         threading.Thread(target=self._flush_loop, daemon=True, name="elastic-reports").start()
 
     @ray.method(concurrency_group="train")

@@ -193,12 +193,16 @@ class SlowToIngest:
         return self.steps
 
 
-def test_the_runs_last_flush_returns_once_the_controller_ran_the_report_threads_calls_too(local_ray):
+@pytest.mark.parametrize("first_call", ["the report thread's", "the mailbox's"])
+def test_the_runs_last_flush_returns_once_the_controller_ran_every_call_the_worker_made(local_ray, first_call):
     controller = SlowToIngest.remote()
     queue = ReportQueue(every_rank=False)
     sender = ReportSender(queue, controller.ingest.remote)
-    queue.add(step_item(0, rank=0, world_size=1, at=0.0))
-    sender.flush(rank=0, world_size=1, now=0.0)  # the report thread's turn: sent, not waited for
+    if first_call == "the report thread's":
+        queue.add(step_item(0, rank=0, world_size=1, at=0.0))
+        sender.flush(rank=0, world_size=1, now=0.0)  # its turn: sent, not waited for
+    else:  # as a generation's `formed` is sent
+        sender.track(controller.ingest.remote([step_item(0, rank=0, world_size=1, at=0.0)]))
     queue.add(step_item(1, rank=0, world_size=1, at=0.1))
     sender.flush(rank=0, world_size=1, now=0.1, final=True)  # the train loop returned
     assert sorted(ray.get(controller.ingested.remote())) == [0, 1]

@@ -100,13 +100,15 @@ def next_turn(rank: int, world_size: int, now: float) -> float:
 
 
 class ReportSender:
-    """Sends what a worker's `ReportQueue` gives, from the report thread and as the run ends.
+    """Sends what a worker's `ReportQueue` gives, from the report thread and as the run ends, and
+    keeps the worker's other one-way calls (`track`: ready, broken, formed).
 
     `send` is a one-way call to the controller, which returns its ObjectRef. The controller is an
     async actor, which may run a worker's calls out of order, and it learns the run's outcome from
     the return of the worker's `run`, which no call precedes. So the last flush returns only once
-    the controller ran every call this worker sent: the report thread's too, or `Result.step`
-    could miss the last steps (seen once in CI: 60 of 64).
+    the controller ran every call this worker made: the report thread's too, or `Result.step`
+    could miss the last steps (seen once in CI: 60 of 64), and a generation's `formed`, or the
+    controller would take a member's end for a formation that never completed.
     """
 
     def __init__(self, queue: ReportQueue, send: Callable[[list[dict[str, Any]]], Any]) -> None:
@@ -114,6 +116,11 @@ class ReportSender:
         self._send = send
         self._in_flight: list[Any] = []  # calls the controller may not have run yet
         self._lock = threading.Lock()  # the report thread and the run's last flush both send
+
+    def track(self, call: Any) -> None:
+        """A one-way call made to the controller (its ObjectRef), which the last flush waits for."""
+        with self._lock:
+            self._in_flight.append(call)
 
     def flush(self, rank: int, world_size: int, now: float, final: bool = False,
               extra: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
