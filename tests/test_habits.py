@@ -470,6 +470,31 @@ def test_a_ray_train_loop_without_a_data_config_takes_the_loaders_batch_heals_an
         torch.testing.assert_close(healed.model_state_dict()[name], value, rtol=1e-9, atol=1e-12)
 
 
+def test_a_death_in_an_epochs_first_step_heals_with_a_spare_that_agrees_on_the_epoch_with_the_survivor(
+        local_ray, tmp_path):
+    # Without a DataConfig: 8 steps an epoch. Rank 1 dies in step 8's all-reduce, the first step of
+    # epoch 1, which the members agreed to start; the warm spare joins the heal. The survivor redoes
+    # step 8 inside its pass, the spare begins its first pass there: each agrees at that epoch's
+    # start in the healed generation. The survivor once went straight to its forward, whose DDP
+    # all-reduce met the spare's agreement.
+    gate = str(tmp_path / "spare-is-warm")
+    healed = fit_held(ElasticTrainer(
+        ray_train_loop, train_loop_config={"epochs": 2, "gate": (4, gate)},
+        scaling_config=ScalingConfig(num_workers=(1, 2), spare_workers=1),
+        run_config=RunConfig(name="epoch-start-heal", storage_path=str(tmp_path)),
+        faults=[elastic.Fault(kind="kill", rank=1, step=8, where="allreduce")], show_progress=False),
+        workers_started(3))
+    assert healed.step == 16
+    heal = healed.events_of("generation_formed")[1]
+    assert heal["kind"] == "heal" and heal["world_size"] == 2 and heal["step"] == 8, heal
+    # The mismatched collectives killed the spare (gloo ends a process whose collective differs in size).
+    assert len(healed.events_of("worker_failed")) == 1, healed.events_of("worker_failed")
+    assert not healed.events_of("run_resumed") and not healed.events_of("warning")
+    reference = regression_reference(16, seed=0, global_batch=64)
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(healed.value["params"][name], value, rtol=1e-9, atol=1e-12)
+
+
 def test_a_spare_that_joins_as_the_run_ends_writes_its_shard_of_the_final_checkpoint(local_ray, tmp_path):
     # Rank 1 dies once the last step (16) committed: the survivor learns it in the loops' agreement
     # to end, and heals with the warm spare, which joins at step 16 and is offered no step. Every

@@ -58,7 +58,8 @@ class LoaderSteps:
     """What `ctx.prepare_data_loader(loader)` returns: iterating it yields one epoch of steps.
 
     At each epoch's start the members agree whether every loop goes on (`loops_go_on`, a one-flag
-    all-reduce an epoch): a loop that returns there ends the run's steps for every member (`end`).
+    all-reduce an epoch, and again where a healed generation redoes the epoch's first step, since a
+    newcomer begins its pass there): a loop that returns there ends the run's steps for every member (`end`).
     That is how the run ends without max_steps, and how a newcomer's loop, which began its own
     count of epochs where it joined, stops with the others: its passes left serve nothing.
     """
@@ -78,6 +79,7 @@ class LoaderSteps:
         self._ended = False  # the run's steps are over: every pass left serves nothing
         self._held: Step | None = None  # entered and handed out: the loop is training it
         self._next: Step | None = None  # the first step of the next epoch, taken from `steps` already
+        self._agreed_in: int | None = None  # the generation of the last agreement at an epoch's start
         self.batch: MicroBatch | None = None  # the share handed out for the held step
 
     def __len__(self) -> int:
@@ -96,14 +98,16 @@ class LoaderSteps:
             if step is None:
                 self._ended = True
                 return  # the run reached max_steps
-            if epoch is None:
+            if epoch is not None and step.cursor.epoch != epoch:
+                self._next = step  # the epoch is over; this step opens the next one
+                return
+            # An epoch's first step offered again in a healed generation is agreed on again: a
+            # newcomer there begins its pass with it, and agrees.
+            if epoch is None or (step.cursor.consumed == 0 and step.generation != self._agreed_in):
                 step = self._agreed(step, going_on=True)
                 if step is None:
                     return  # another member's loop returned at this epoch's start: the run ended
                 epoch = step.cursor.epoch
-            elif step.cursor.epoch != epoch:
-                self._next = step  # the epoch is over; this step opens the next one
-                return
             step.__enter__()
             self._held = step
             (self.batch,) = step.micro_batches()  # the share as one batch (`MicroBatching.whole_shares`)
@@ -133,6 +137,7 @@ class LoaderSteps:
                 self._ended = True
                 self._end()
                 return None
+            self._agreed_in = step.generation
             break
         return step
 
