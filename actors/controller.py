@@ -163,7 +163,7 @@ class Controller:
         self.inbox.put_nowait(signals.FormedReport(
             worker_id, generation, outcome["ok"], outcome.get("step", 0), outcome.get("source_rank", 0),
             outcome.get("steps_lost", 0), outcome.get("error", ""), timings, outcome.get("state_lost", False),
-            checkpointed=self.latest_checkpoint is not None))
+            checkpointed=self.latest_checkpoint is not None, in_block=outcome.get("in_block", False)))
 
     async def ingest(self, worker_id: int, items: list[dict[str, Any]]) -> None:
         if self._fenced(worker_id, "reports"):
@@ -288,7 +288,7 @@ class Controller:
                 backend=self.spec.scaling.backend, reason=formation.reason.value,
                 collective_timeout_s=self.spec.run.failure_config.collective_timeout_s,
                 connect_timeout_s=offer.connect_timeout_s, switch_step=formation.switch_step, restart=restart,
-                resume_from=self.latest_checkpoint if restart else None,
+                resume_from=self.latest_checkpoint if restart else None, newcomers=offer.newcomers,
             ))
 
     async def _fire_formation_faults(self) -> None:

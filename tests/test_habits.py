@@ -189,6 +189,22 @@ def test_an_evaluation_whose_peer_dies_heals_inside_between_steps_and_runs_again
     assert first.value["evaluation_failures"] == [5]  # then evaluated again at world size 1
 
 
+def test_an_evaluation_whose_peer_dies_in_a_fixed_size_run_heals_without_the_replacement_then_grows(local_ray, tmp_path):
+    # min_workers = max_workers = 2: the survivor cannot train alone, and once Ray's replacement is
+    # ready the heal would take it in. The replacement begins at the next step and cannot run the
+    # evaluation again with the survivor (their collectives met, and gloo killed the replacement,
+    # heal after heal): the survivor declines that heal, runs the evaluation again alone, and the
+    # replacement joins in a grow.
+    result = trainer(tmp_path, "fixed-size-evaluation", ScalingConfig(num_workers=2), max_steps=16,
+                     die_before_evaluation=(1, 5), report_at=[4]).fit()
+    assert result.step == 16 and result.value["evaluation_failures"] == [5]
+    assert len(result.events_of("worker_failed")) == 1, result.events_of("worker_failed")
+    formed = [(e["kind"], e["world_size"]) for e in result.events_of("generation_formed")]
+    assert formed == [("start", 2), ("heal", 1), ("grow", 2)], formed
+    [declined] = result.events_of("formation_failed")
+    assert "between-steps block" in declined["error"] and declined["worker_id"] == 0, declined
+
+
 def test_the_prepared_model_is_an_nn_module_called_before_the_first_step(habits):
     x, y = regression_data().tensors
     with torch.no_grad():

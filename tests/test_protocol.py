@@ -252,6 +252,30 @@ def test_a_warm_spare_replaces_a_dead_member_in_the_heal_itself():
     assert group.events("generation_formed")[-1]["world_size"] == 2
 
 
+def test_a_heal_declined_from_inside_a_between_steps_block_forms_with_the_live_members_alone_then_grows():
+    # min = max = 2: one dies, the survivor waits for the replacement, and the heal takes it in. The
+    # survivor is inside a between-steps block, which it runs again next and a newcomer could not:
+    # it declines, and the heal forms with the survivor alone, below min_workers; the replacement
+    # joins in the grow that follows.
+    group = FakeWorkerGroup(min_workers=2, max_workers=2)
+    group.start_run(0, 1)
+    group.die(1)
+    group.ready(2)
+    heal = group.latest_offer
+    assert heal.formation.members == (0, 2) and heal.newcomers
+    group.send(FormedReport(0, heal.formation.generation, ok=False, in_block=True, error="inside a block"))
+    alone = group.latest_offer
+    assert alone.formation.members == (0,) and not alone.newcomers and alone.formation.reason == Reason.HEAL
+    group.form()
+    assert group.protocol.members == (0,) and group.state == "PREPARING", "no grow once the survivor healed"
+    group.answer_prepare({0: 7})
+    grow = group.latest_offer
+    assert grow.formation.members == (0, 2) and grow.formation.reason == Reason.GROW and grow.newcomers
+    group.form()
+    assert [e["world_size"] for e in group.events("generation_formed")] == [2, 1, 2]
+    assert group.protocol.failures == 0 and group.protocol.failed_formations == 0
+
+
 # --- state never silently goes back to step 0 ---------------------------------------------------
 def test_newcomers_alone_never_form_with_fresh_weights_they_restart_from_the_checkpoint():
     group = FakeWorkerGroup(min_workers=1, max_workers=2, max_failures=1)

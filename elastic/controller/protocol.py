@@ -93,6 +93,9 @@ class Protocol:
     failed_formations: int = 0
     connect_s: float | None = None  # the slowest member's connect in the last generation that formed
     heals_without_step: int = 0
+    # A member declined a heal with newcomers from inside a between-steps block (`FormedReport.in_block`):
+    # the next generation heals with the live members alone, at any size, and grows once it formed.
+    heal_without_newcomers: bool = False
     committed_at_step: int = -1
     first_ready_at: float | None = None
     detect_s: float = 0.0  # how long the failure being healed went unseen (an unreachable member's stall)
@@ -266,6 +269,14 @@ class Protocol:
             self.broken = True
             self.failure_at = self.failure_at or now
             return actions + self._reconcile(now)
+        if not obs.ok and obs.in_block:
+            self.heal_without_newcomers = True
+            reason = (f"worker {obs.worker_id} is inside a between-steps block, which it runs again in the healed "
+                      f"generation and a newcomer could not: healing with the live members, then growing")
+            actions = [self._decision("REFORM", reason), *self._abort_formation(now)]
+            self.broken = True
+            self.failure_at = self.failure_at or now
+            return actions + self._reconcile(now)
         if not obs.ok:
             self.failed_formations += 1
             reason = f"generation {obs.generation} did not form on worker {obs.worker_id}: {obs.error}"
@@ -402,15 +413,18 @@ class Protocol:
         if self.running < 0 and not self.members and starting and self.first_ready_at is not None \
                 and now - self.first_ready_at < self.scaling.start_grace_s and idle_count < self.scaling.max_workers:
             return []  # the first generation waits briefly for workers starting alongside
-        if isinstance(self.state, Waiting) and len(self.members) + idle_count < self.scaling.min_workers:
+        # A heal around a between-steps block takes the live members alone, even below min_workers:
+        # they finish the block, and the newcomers join in the grow that follows.
+        alone = self.heal_without_newcomers and self.broken and bool(self.members)
+        min_workers = 1 if alone else self.scaling.min_workers
+        if isinstance(self.state, Waiting) and len(self.members) + idle_count < min_workers:
             # Too few could run whichever the policy picked: still waiting. Said before the
             # policy looks at every ready worker, which each of thousands arriving would pay.
             return []
-        idle = sorted(self._by_status[Status.IDLE])
+        idle = [] if alone else sorted(self._by_status[Status.IDLE])
         ready = [w for w in idle if all(self.workers[m].status == Status.IDLE for m in self._replica_of(w))]
         decision = policies.decide_membership(self.members, ready, self.broken or not self.members,
-                                              self.scaling.min_workers, self.scaling.max_workers,
-                                              self.scaling.replica_size)
+                                              min_workers, self.scaling.max_workers, self.scaling.replica_size)
         if isinstance(decision, policies.WaitDecision):
             if isinstance(self.state, Waiting):
                 return []
@@ -437,12 +451,13 @@ class Protocol:
         return [self._offer(formation, restart), *self._enter(Forming(formation), decision.reason)]
 
     def _offer(self, formation: Formation, restart: bool = False) -> Offer:
+        newcomers = not restart and any(not self.workers[w].holds_state for w in formation.members)
         # The derived deadline was measured on gloo only; NCCL's first collective also creates its
         # communicator under the group's timeout, which has not run under a fraction of a second.
         if self.scaling.backend != "gloo":
-            return Offer(formation, restart)
+            return Offer(formation, restart, newcomers=newcomers)
         deadline = policies.connect_deadline(self.connect_s, self.failed_formations, self.failure.connect_floor_s)
-        return Offer(formation, restart, deadline)
+        return Offer(formation, restart, deadline, newcomers)
 
     def _commit(self, formation: Formation, acked: dict[int, FormedReport], now: float) -> list[Action]:
         old_size, self.running_size = self.running_size, len(formation.members)
@@ -452,6 +467,7 @@ class Protocol:
         holders = [r for w, r in acked.items() if self.workers[w].holds_state] or list(acked.values())
         self.running, self.members, self.broken = formation.generation, formation.members, False
         self.failed_formations = 0
+        self.heal_without_newcomers = False
         self.stall.progressed(now)
         self.committed_at_step = self.committed_step
         for worker_id in formation.members:

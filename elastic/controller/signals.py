@@ -74,6 +74,9 @@ class FormedReport:
     timings: dict[str, float] = field(default_factory=dict)
     state_lost: bool = False  # the run's live state is gone (a ZeRO shard without a holder)
     checkpointed: bool = False  # a complete checkpoint exists to restart from (the controller's knowledge)
+    # Declined: the member heals from inside a between-steps block, which it runs again next, and
+    # the generation takes in a newcomer, which begins at the next step and could not run it.
+    in_block: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,7 @@ class Offer:
     formation: Formation
     restart: bool = False
     connect_timeout_s: float = CONNECT_CEILING_S
+    newcomers: bool = False  # some member holds no live state, outside a restart (a spare, a replacement)
 
 
 @dataclass(frozen=True)

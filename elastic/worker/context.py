@@ -393,7 +393,8 @@ class TrainContext(ReplicaCoordinates):
                                "(and must not move to a new generation halfway through a step); use it outside the step")
         if self.spec is None:
             raise ElasticError("ctx.between_steps() is used before ctx.steps() formed the first generation")
-        return BetweenSteps(lambda: self._join(reason="heal"))
+        # The loop runs the block again in the healed generation, which a newcomer could not.
+        return BetweenSteps(lambda: self._join(reason="heal", in_block=True))
 
     @property
     def communication(self) -> dict[str, int]:
@@ -531,7 +532,8 @@ class TrainContext(ReplicaCoordinates):
         """Whether every member's loop over the prepared data loader goes on to the epoch that
         starts (`LoaderSteps`); None if a peer died in the agreement, and this rank healed."""
         flag = torch.full((1,), int(going_on), dtype=torch.int64, device=self.device)
-        with self.between_steps() as block:  # which waits for the MIN to land on NCCL
+        # A newcomer begins its pass with this agreement, so it may join the heal (`LoaderSteps`).
+        with BetweenSteps(lambda: self._join(reason="heal")) as block:  # which waits for the MIN to land on NCCL
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return None if block.failed else bool(flag.item())
 
@@ -582,9 +584,9 @@ class TrainContext(ReplicaCoordinates):
             return False
         return True
 
-    def _join(self, reason: str, lost: int = 0) -> None:
+    def _join(self, reason: str, lost: int = 0, in_block: bool = False) -> None:
         self.snapshots.drop_flag()  # a pending check belongs to the group being left
-        self.membership.join(reason, lost)
+        self.membership.join(reason, lost, in_block)
 
     def probe_reading(self) -> dict[str, Any]:
         """Where the train thread is, for the controller's hang check: answered from another thread."""

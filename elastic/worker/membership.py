@@ -147,12 +147,14 @@ class Membership:
     def store(self) -> dist.TCPStore:
         return self._store.get(self.spec.store_host, self.spec.store_port)
 
-    def join(self, reason: str, lost: int = 0) -> None:
+    def join(self, reason: str, lost: int = 0, in_block: bool = False) -> None:
         """Leave the current generation and join the newest one the controller offers.
 
         A generation that is aborted before every member arrived, that fails to connect, or
         whose groups fail while it forms (`peer_failed`), is given up and the next offer waited
-        for; only a user error escapes.
+        for; only a user error escapes. `in_block`: this rank heals from inside a between-steps
+        block, which it runs again next; it declines a generation that takes in a newcomer, which
+        begins at the next step and could not, and the controller heals without one.
         """
         left = time.perf_counter()
         if reason == "heal":
@@ -162,6 +164,11 @@ class Membership:
         while True:
             spec = self.mailbox.wait_newer(tried)
             tried = spec.generation
+            if in_block and spec.newcomers:
+                self.mailbox.formed(spec.generation, {
+                    "ok": False, "in_block": True,
+                    "error": "inside a between-steps block, which a newcomer could not run again with it"})
+                continue
             try:
                 timings = self._form(spec, left)
             except WorkerEvictedError:
