@@ -95,6 +95,8 @@ class Controller:
         self.metrics = RunMetrics(spec.run.name)
         self.tally = RunTally(spec.data.max_steps)
         self.latest_checkpoint: Checkpoint | None = None
+        # (generation, step) of the last restart offered: retention keeps its checkpoint until it formed.
+        self.restoring: tuple[int, int] | None = None
         self.shards = ShardCollector(self.storage, spec.run.checkpoint_config.keep_last)
         # Manifests and retention deletes, one at a time and in order, on a thread of their own:
         # a store that stalls holds only them, never the event loop nor the threads it shares.
@@ -204,11 +206,16 @@ class Controller:
             why = report.get("skipped") or f"could not write: {report['error']}"
             self.journal.emit("checkpoint_skipped", step=report["step"], reason=f"rank {report['rank']}: {why}")
             return
-        saved = await asyncio.get_running_loop().run_in_executor(self.manifests, self.shards.add, report)
+        loop = asyncio.get_running_loop()
+        saved = await loop.run_in_executor(self.manifests, self.shards.add, report)
         if saved is not None:
             self.latest_checkpoint, event = saved
             self.metrics.checkpoint_saved(event["stall_s"])
             self.journal.emit("checkpoint_saved", **event)
+            # Only now that a restart offered from here on takes the new checkpoint do older ones
+            # go; the one a restart in flight restores stays until that generation formed.
+            restoring = self.restoring if self.restoring and self.protocol.running < self.restoring[0] else None
+            await loop.run_in_executor(self.manifests, self.shards.retain, [restoring[1]] if restoring else [])
 
     def _fenced(self, worker_id: int, refused: str, **fields: Any) -> bool:
         """Refuse what a worker the controller gave up on sends (`Protocol.fenced`): cut off by
@@ -275,6 +282,8 @@ class Controller:
 
     def _offer(self, offer: signals.Offer) -> None:
         formation, restart = offer.formation, offer.restart
+        if restart and self.latest_checkpoint is not None:
+            self.restoring = (formation.generation, self.latest_checkpoint.step)
         members = formation.members
         nodes = {w: self.protocol.node_of(w) for w in members}
         node_order = list(dict.fromkeys(nodes.values()))

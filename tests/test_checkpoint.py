@@ -303,6 +303,8 @@ def test_retention_keeps_the_last_k_complete_and_never_the_only_complete_one():
     assert steps_to_delete([8, 16], complete=[8], keep_last=1) == []
     assert steps_to_delete([8, 16, 24], complete=[16], keep_last=1) == [8]
     assert steps_to_delete([8, 16], complete=[], keep_last=1) == []
+    # A restart in flight restores step 8: it stays while the restart forms, whatever keep_last says.
+    assert steps_to_delete([8, 16, 24], complete=[8, 16, 24], keep_last=1, pinned=[8]) == [16]
 
 
 def test_a_storage_error_leaves_the_checkpoint_incomplete_and_is_reported(tmp_path):

@@ -41,7 +41,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import pyarrow.fs as pafs
 import torch
@@ -428,16 +428,17 @@ def latest_complete(run: RunStorage, on_skip: Callable[[int, str], None]) -> Che
     return None
 
 
-def steps_to_delete(steps: list[int], complete: list[int], keep_last: int) -> list[int]:
+def steps_to_delete(steps: list[int], complete: list[int], keep_last: int,
+                    pinned: Collection[int] = ()) -> list[int]:
     """Old checkpoints to delete once the newest complete one exists.
 
-    The `keep_last` newest complete ones stay; incomplete folders older than the newest
-    complete one can never complete and go too. Nothing newer than it is touched: it may be
-    a checkpoint still being written.
+    The `keep_last` newest complete ones stay, and any `pinned` (one a restart in flight
+    restores); incomplete folders older than the newest complete one can never complete and go
+    too. Nothing newer than it is touched: it may be a checkpoint still being written.
     """
     if not complete:
         return []
-    kept = set(sorted(complete)[-keep_last:])
+    kept = set(sorted(complete)[-keep_last:]) | set(pinned)
     newest = max(complete)
     return [s for s in steps if s < newest and s not in kept]
 

@@ -1,9 +1,11 @@
 """Completing checkpoints: each rank reports the shard it wrote; the last report of a step
-writes the manifest (which makes the checkpoint exist) and applies retention.
+writes the manifest (which makes the checkpoint exist), and retention (`retain`) follows once
+the controller takes it for the latest.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from elastic.checkpoint.checkpoint import (
@@ -43,13 +45,13 @@ class ShardCollector:
         metadata = next(r["metadata"] for r in shards if r["rank"] == 0)
         manifest = write_manifest(self.storage, shards[0]["progress"], world_size, files, metadata)
         checkpoint = Checkpoint(checkpoint_storage(self.storage, step), manifest)
-        self._retain()
         return checkpoint, {"step": step, "bytes": sum(f["size"] for f in files),
                             "stall_s": max(r["stall_s"] for r in shards),
                             "upload_s": max(r["upload_s"] for r in shards), "path": checkpoint.path}
 
-    def _retain(self) -> None:
+    def retain(self, pinned: Collection[int] = ()) -> None:
+        """Delete the checkpoints past `keep_last`, but for the steps `pinned` (a restart in flight restores one)."""
         steps = checkpoint_steps(self.storage)
         complete = [s for s in steps if self.storage.size(f"{step_dir(s)}/{MANIFEST}") is not None]
-        for step in steps_to_delete(steps, complete, self.keep_last):
+        for step in steps_to_delete(steps, complete, self.keep_last, pinned):
             self.storage.delete_dir(step_dir(step))
