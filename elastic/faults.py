@@ -13,6 +13,7 @@ or as spec strings, as in `elastic demo --inject kill:rank=1,step=20`.
 | kill | `kill:rank=1,step=20,where=barrier` | the process dies as it reaches the barrier of the first generation it joins at or after the step, as rank `rank` of it (a death during a formation) |
 | kill | `kill:rank=1,step=20,where=connect` | the process dies past the barrier of the first generation it joins at or after the step, as rank `rank` of it, before it connects: its peers wait in the connect for its address (a death inside a heal's connect) |
 | kill | `kill:rank=1,step=20,where=prepare` | the process dies as it answers the first grow's prepare at or after the step (a death while a newcomer waits to join) |
+| kill | `kill:rank=1,step=20,where=checkpoint` | the process dies as it snapshots the checkpoint taken once step 20 committed, before the collectives that average its per-rank state (PowerSGD's, local SGD's): its peers are inside them |
 | hang | `hang:rank=1,step=20` | the rank blocks forever inside its gradient all-reduce; the controller must detect and kill it |
 | slow | `slow:rank=1,step=20,factor=3` | from then on the rank's steps take `factor` times longer (a straggler) |
 | raise | `raise:rank=1,step=20` | the train loop raises `InjectedError` (an application error) |
@@ -43,7 +44,7 @@ class Fault(BaseModel):
     kind: FaultKind = Field(..., description="What happens; see the table in this module's docstring.")
     rank: int = Field(0, ge=0, description="Rank (in the generation current at that step) that fails.")
     step: int = Field(..., ge=0, description="Global step (0-based) at which the fault fires.")
-    where: Literal["step_start", "allreduce", "barrier", "connect", "prepare", "formation"] = Field(
+    where: Literal["step_start", "allreduce", "barrier", "connect", "prepare", "checkpoint", "formation"] = Field(
         "step_start", description="When it fires; see the table in this module's docstring."
     )
     factor: float | None = Field(None, gt=1, description="For slow: how many times longer each step takes.")
@@ -54,7 +55,7 @@ class Fault(BaseModel):
             raise ValueError("a slow fault needs factor=F (F > 1), e.g. slow:rank=1,step=20,factor=3")
         if self.kind != "slow" and self.factor is not None:
             raise ValueError(f"factor only applies to slow faults, not {self.kind}")
-        allowed = {"kill": ("step_start", "allreduce", "barrier", "connect", "prepare"),
+        allowed = {"kill": ("step_start", "allreduce", "barrier", "connect", "prepare", "checkpoint"),
                    "controller-kill": ("step_start", "formation")}.get(self.kind, ("step_start",))
         if self.where not in allowed:
             raise ValueError(f"where={self.where} does not apply to {self.kind} faults; use one of {', '.join(allowed)}")

@@ -279,6 +279,19 @@ def test_powersgd_through_a_kill_ends_within_two_percent_of_the_fault_free_loss(
     assert abs(healed.value["final_loss"] - fixed.value["final_loss"]) <= 0.02 * fixed.value["final_loss"]
 
 
+def test_a_death_inside_a_checkpoints_average_of_powersgds_error_feedback_heals_in_place(local_ray, tmp_path):
+    # A checkpoint averages the ranks' error feedback first, a collective between steps: rank 1
+    # dies as it snapshots the checkpoint of step 8, its peer inside the average. Before, the
+    # peer's failure there left the loop as its error, and the run failed.
+    result = _fit(tmp_path, "powersgd-checkpoint-kill", ScalingConfig(min_workers=1, max_workers=2), POWERSGD,
+                  faults=[Fault(kind="kill", rank=1, step=8, where="checkpoint")],
+                  checkpoint=CheckpointConfig(every_steps=4))
+    [recovery] = result.events_of("recovery")
+    assert recovery["steps_lost"] == 0 and not recovery["from_checkpoint"], recovery
+    assert result.step == MAX_STEPS and result.checkpoint.step == MAX_STEPS
+    _assert_exactly_once(result.value["ledger"], MAX_STEPS)
+
+
 ZERO = Strategy(zero=1)
 
 

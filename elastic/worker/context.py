@@ -486,8 +486,9 @@ class TrainContext(ReplicaCoordinates):
         acts_between_steps = techniques.acts_between_steps  # settled by prepare_model, before the steps
         checkpointing = snapshots.config.enabled  # without a schedule, nothing to check between steps
         while max_steps is None or progress.step < max_steps:
-            if checkpointing and snapshots.read_flag(heal=heal_in_check):
-                snapshots.take()
+            # A checkpoint averages per-rank state first (PowerSGD's, local SGD's): a peer's death in it heals.
+            if checkpointing and snapshots.read_flag(heal=heal_in_check) and not self._healed_unless(snapshots.take):
+                continue
             spec = membership.spec  # the generation this rank is in, formed by the join above
             if mailbox.at_boundary(progress.step, spec.generation) is not None:
                 if self._healed_unless(techniques.drain):
@@ -516,7 +517,7 @@ class TrainContext(ReplicaCoordinates):
                     continue
                 techniques.at_boundary(self._state, progress)
             if checkpointing:
-                snapshots.after_step(max_steps)
+                self._healed_unless(lambda: snapshots.after_step(max_steps))
         self._end_steps()
 
     def end_loop(self) -> None:

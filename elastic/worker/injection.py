@@ -32,6 +32,7 @@ _KINDS_AT = {
     "barrier": ("kill",),
     "connect": ("kill",),
     "prepare": ("kill",),
+    "checkpoint": ("kill",),
 }
 
 

@@ -144,8 +144,10 @@ class Snapshots:
 
     def take(self) -> None:
         """Snapshot to CPU (training waits only for this copy; from a GPU, not even for it: the copies
-        are queued on the stream, `take_snapshot`) and write the shard in the background."""
+        are queued on the stream, `take_snapshot`) and write the shard in the background. A
+        collective where a technique keeps per-rank state (it is averaged first): raises if a peer died."""
         started = time.perf_counter()
+        self._faults.at("checkpoint", self._membership.rank, self._progress.step)
         kept = self._techniques.checkpoint_state(self._state, self._progress.to_dict())
         if kept is None:
             return  # local SGD has not synced since the last checkpoint: nothing new to keep
