@@ -263,20 +263,13 @@ class Protocol:
                 return self._enter(Failed(message, "state_lost"), "state lost, no checkpoint")
             for record in self.workers.values():
                 record.holds_state = False
-            reason = (f"generation {obs.generation} lost part of the run's state on worker {obs.worker_id} "
-                      f"({obs.error}); restarting from the latest complete checkpoint")
-            actions = [self._decision("RESTART", reason), *self._abort_formation(now)]
-            self.broken = True
-            self.failure_at = self.failure_at or now
-            return actions + self._reconcile(now)
+            return self._form_again("RESTART", f"generation {obs.generation} lost part of the run's state on worker "
+                                    f"{obs.worker_id} ({obs.error}); restarting from the latest complete checkpoint", now)
         if not obs.ok and obs.in_block:
             self.heal_without_newcomers = True
-            reason = (f"worker {obs.worker_id} is inside a between-steps block, which it runs again in the healed "
-                      f"generation and a newcomer could not: healing with the live members, then growing")
-            actions = [self._decision("REFORM", reason), *self._abort_formation(now)]
-            self.broken = True
-            self.failure_at = self.failure_at or now
-            return actions + self._reconcile(now)
+            return self._form_again("REFORM", f"worker {obs.worker_id} is inside a between-steps block, which it runs "
+                                    "again in the healed generation and a newcomer could not: healing with the live "
+                                    "members, then growing", now)
         if not obs.ok:
             self.failed_formations += 1
             reason = f"generation {obs.generation} did not form on worker {obs.worker_id}: {obs.error}"
@@ -284,10 +277,7 @@ class Protocol:
                 message = (f"{self.failed_formations} generations in a row failed to form; the last: {obs.error}. "
                            f"{self._formation_advice()}")
                 return self._enter(Failed(message, "formation"), reason)
-            actions = [self._decision("REFORM", reason), *self._abort_formation(now)]
-            self.broken = True  # its members may have left the running generation already
-            self.failure_at = self.failure_at or now
-            return actions + self._reconcile(now)
+            return self._form_again("REFORM", reason, now)
         if obs.worker_id not in state.formation.ranks:
             return []  # only the members were offered it
         acked = state.acked
@@ -583,6 +573,14 @@ class Protocol:
                    "collective the train loop calls differently on different ranks). Fix the train loop or the "
                    "failing nodes.")
         return self._enter(Failed(message, "crash_loop"), "crash loop")
+
+    def _form_again(self, action: str, reason: str, now: float) -> list[Action]:
+        """Give up the formation under way and decide anew (`action`, journaled with `reason`): its
+        members may have left the running generation already, so the run heals."""
+        actions = [self._decision(action, reason), *self._abort_formation(now)]
+        self.broken = True
+        self.failure_at = self.failure_at or now
+        return actions + self._reconcile(now)
 
     def _abort_formation(self, now: float) -> list[Action]:
         state = self.state
