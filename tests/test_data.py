@@ -16,7 +16,9 @@ from elastic.data.order import (
     fetch,
     gradient_weight,
     map_style_blocks,
+    micro_batches_of,
     micro_bounds,
+    micro_count,
     share_bounds,
     step_positions,
 )
@@ -33,9 +35,26 @@ def test_shares_cover_the_global_batch_without_overlap_and_differ_by_at_most_one
     assert max(sizes) - min(sizes) <= 1
 
 
-def test_micro_batches_cut_a_share_into_pieces_of_at_most_the_micro_batch_size():
-    assert micro_bounds(22, 8) == [(0, 8), (8, 16), (16, 22)]
-    assert micro_bounds(8, 8) == [(0, 8)]
+@pytest.mark.parametrize("step_samples, world_size, micro_batch_size",
+                         [(64, 3, 7), (64, 3, 8), (256, 7, 4), (63, 2, 31), (5, 4, 1), (3, 4, 2), (64, 1, 64)])
+def test_every_rank_cuts_its_share_into_as_many_micro_batches_of_at_most_the_micro_batch_size(
+        step_samples, world_size, micro_batch_size):
+    # ZeRO-2/3 gather parameters in each micro-batch's forward: every rank must run as many.
+    count = micro_count(step_samples, world_size, micro_batch_size)
+    for rank in range(world_size):
+        start, stop = share_bounds(step_samples, world_size, rank)
+        bounds = micro_bounds(stop - start, count)
+        assert len(bounds) == count
+        assert all(0 <= b - a <= micro_batch_size for a, b in bounds)
+        assert [a for a, _ in bounds[1:]] == [b for _, b in bounds[:-1]] and bounds[-1][1] == stop - start
+    assert micro_bounds(22, 4) == [(0, 6), (6, 12), (12, 17), (17, 22)]
+    assert micro_bounds(1, 2) == [(0, 1), (1, 1)]  # an empty one: a pass that weighs 0
+
+
+def test_a_micro_batch_left_empty_passes_over_the_shares_first_sample_and_weighs_nothing():
+    ids = torch.tensor([40])
+    loaded = micro_batches_of(ids, lambda a, b: ids[a:b].tolist(), micro_batch_size=1, step_samples=3, world_size=2)
+    assert [(m.indices.tolist(), m.data, m.samples) for m in loaded] == [([40], [40], 1), ([], [40], 0)]
 
 
 def test_gradient_weights_of_an_uneven_split_sum_to_the_world_size():

@@ -125,7 +125,8 @@ class Loader:
             # gradient all-reduce, with a pass over one of the step's samples that weighs 0.
             return [Loaded(torch.empty(0, dtype=torch.int64), self._fetch(order.ids(cursor.consumed, cursor.consumed + 1)), 0)]
         ids = order.ids(start, stop)
-        return micro_batches_of(ids, lambda a, b: self._fetch(ids[a:b]), self.config.micro_batch_size)
+        return micro_batches_of(ids, lambda a, b: self._fetch(ids[a:b]), self.config.micro_batch_size, step_samples,
+                                world_size)
 
     def _fetch(self, ids: torch.Tensor) -> Any:
         if self._processes is not None:

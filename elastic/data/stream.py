@@ -86,7 +86,7 @@ class StreamLoader:
             return [Loaded(torch.empty(0, dtype=torch.int64), default_collate(samples[:1]), 0)]
         ids = torch.arange(cursor.consumed + start, cursor.consumed + stop, dtype=torch.int64)
         return micro_batches_of(ids, lambda a, b: default_collate(samples[start + a:start + b]),
-                                self.config.micro_batch_size)
+                                self.config.micro_batch_size, len(samples), world_size)
 
     def close(self) -> None:
         if self._pool is not None:
