@@ -145,13 +145,13 @@ def trains_another_module_and_reports_after_the_loop(config: dict) -> None:
     elastic.report({"done": 1.0})
 
 
-def trainer(tmp_path, name, scaling, max_steps=8, loop=habits_loop, **loop_config) -> ElasticTrainer:
+def trainer(tmp_path, name, scaling, max_steps=8, loop=habits_loop, faults=(), **loop_config) -> ElasticTrainer:
     return ElasticTrainer(
         loop, train_loop_config=loop_config, scaling_config=scaling,
         run_config=RunConfig(name=name, storage_path=str(tmp_path),
                              checkpoint_config=CheckpointConfig(every_steps=2, keep_last=10)),
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=max_steps, seed=3),
-        show_progress=False,
+        faults=list(faults), show_progress=False,
     )
 
 
@@ -203,6 +203,17 @@ def test_an_evaluation_whose_peer_dies_in_a_fixed_size_run_heals_without_the_rep
     assert formed == [("start", 2), ("heal", 1), ("grow", 2)], formed
     [declined] = result.events_of("formation_failed")
     assert "between-steps block" in declined["error"] and declined["worker_id"] == 0, declined
+
+
+def test_a_death_inside_a_step_followed_by_an_evaluation_heals_once(local_ray, tmp_path):
+    # The step swallows its failure, and the loop goes on to its evaluation on the broken group,
+    # which fails on the same death and heals; the step, offered again, once healed a second time.
+    result = fit_started(trainer(tmp_path, "step-then-evaluation", ScalingConfig(min_workers=1, max_workers=2),
+                                 faults=[elastic.Fault(kind="kill", rank=1, step=5, where="allreduce")],
+                                 gate=(0, str(tmp_path / "started"))))
+    assert result.step == 8 and result.value["evaluation_failures"] == [5]
+    heals = [e for e in result.events_of("generation_formed") if e["kind"] == "heal"]
+    assert len(heals) == 1, [(e["kind"], e["world_size"], e["step"]) for e in result.events_of("generation_formed")]
 
 
 def test_the_prepared_model_is_an_nn_module_called_before_the_first_step(habits):

@@ -509,7 +509,10 @@ class TrainContext(ReplicaCoordinates):
                 raise ElasticError("each step from ctx.steps() must be used as `with step:`")
             self._committed_here = self._committed_here or step.committed
             if step.failed is not None:
-                self._join(reason="heal", lost=0 if step.committed else 1)
+                # Unless the loop healed meanwhile: it ran collectives after the step (an evaluation
+                # in `ctx.between_steps()`), which failed on the same death and healed already.
+                if membership.spec is spec:
+                    self._join(reason="heal", lost=0 if step.committed else 1)
                 continue
             if acts_between_steps:
                 if techniques.sync_due(progress.step) and not self._healed_unless(
