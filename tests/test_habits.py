@@ -373,10 +373,23 @@ def test_a_steps_loop_without_a_global_batch_or_max_steps_is_refused_naming_the_
 
 # --- Ray Train's loop shape, by changing the imports only ---------------------------------------
 
+class OutputWithLoss(torch.nn.Module):
+    """A Hugging Face model's kind of output: a mapping of the loss and the logits it came from."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        logits = self.net(x)
+        return {"loss": torch.nn.functional.mse_loss(logits, y), "logits": logits}
+
+
 def ray_train_loop(config: dict) -> dict:
     """A Ray Train V2 loop: prepared model, optimizer and DataLoader, `loss.backward()`,
     `optimizer.step()`, epochs with `set_epoch`, a report after each epoch."""
-    model = elastic.prepare_model(build_mlp())
+    with_loss = config.get("output_with_loss", False)
+    model = elastic.prepare_model(OutputWithLoss(build_mlp()) if with_loss else build_mlp())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if not config.get("plain_optimizer"):
         optimizer = elastic.prepare_optimizer(optimizer)
@@ -387,7 +400,7 @@ def ray_train_loop(config: dict) -> dict:
     for epoch in range(config["epochs"]):
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss = model(x, y)["loss"] if with_loss else torch.nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -402,15 +415,17 @@ def ray_train_loop(config: dict) -> dict:
             record.write(f"{ctx.step} {batches}")
     where = (ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(), ctx.get_local_world_size(),
              ctx.get_node_rank())
-    return {"params": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+    net = model.module.net if with_loss else model.module
+    return {"params": {k: v.detach().clone() for k, v in net.state_dict().items()},
             "batches": batches, "world_sizes": sorted(world_sizes), "where": where}
 
 
-def _ray_train_shaped(tmp_path, name, faults=(), max_steps=18, checkpoint_config=CheckpointConfig(), **config):
+def _ray_train_shaped(tmp_path, name, faults=(), max_steps=18, checkpoint_config=CheckpointConfig(),
+                      scaling_config=ScalingConfig(min_workers=1, max_workers=2), **config):
     # 63 samples a step: shares of 32 and 31 at 2 workers, so the shares' weights matter.
     return ElasticTrainer(
         ray_train_loop, train_loop_config={"epochs": 2, **config},
-        scaling_config=ScalingConfig(min_workers=1, max_workers=2),
+        scaling_config=scaling_config,
         run_config=RunConfig(name=name, storage_path=str(tmp_path), checkpoint_config=checkpoint_config),
         data_config=DataConfig(global_batch_size=63, micro_batch_size=63, max_steps=max_steps, seed=3),
         faults=list(faults), show_progress=False,
@@ -520,6 +535,19 @@ def test_a_death_in_an_epochs_first_step_heals_with_a_spare_that_agrees_on_the_e
     reference = regression_reference(16, seed=0, global_batch=64)
     for name, value in reference["params"].items():
         torch.testing.assert_close(healed.value["params"][name], value, rtol=1e-9, atol=1e-12)
+
+
+def test_a_ray_train_loop_whose_model_returns_its_loss_with_the_logits_trains_the_global_batch_mean(
+        local_ray, tmp_path):
+    # 63 samples a step: shares of 32 and 31 at 2 workers, weighed 64/63 and 62/63. The weight went
+    # on each output's gradient, and the loss's reached the parameters through the logits, weighed
+    # again: the square of the weight.
+    gate = str(tmp_path / "both-started")
+    result = fit_held(_ray_train_shaped(tmp_path, "output-with-loss", output_with_loss=True, gate=(0, gate),
+                                        scaling_config=ScalingConfig(num_workers=2)), workers_started(2))
+    assert result.step == 18 and result.value["world_sizes"] == [2]
+    for name, value in regression_reference(18, seed=3, global_batch=63)["params"].items():
+        torch.testing.assert_close(result.value["params"][name], value, rtol=1e-9, atol=1e-12)
 
 
 def test_a_spare_that_joins_as_the_run_ends_writes_its_shard_of_the_final_checkpoint(local_ray, tmp_path):

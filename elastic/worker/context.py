@@ -254,6 +254,7 @@ class TrainContext(ReplicaCoordinates):
                                         self.data_config, lambda: self.stepping.optimizer is not None,
                                         self._loops_go_on, self._end_steps)
         self.membership.backward_failed = self._keep_failure_on_step
+        self.membership.bucket_weight = self.loader_steps.gradient_weight
         if isinstance(self._prepared.returned, torch.nn.Module):
             self._fit_to_loader_steps(self._prepared.returned)
         if self.stepping.optimizer is not None:

@@ -157,24 +157,29 @@ class LoaderSteps:
         step.__exit__(type(failure), failure, None)
 
     def weigh(self, output: Any) -> None:
-        """Scale the gradient reaching the prepared model's `output` by the held share's weight,
-        and count the share as weighted (the optimizer's step checks it), once its backward starts."""
+        """Count the held share as weighted (the optimizer's step checks it) once the backward from
+        the prepared model's `output` starts. The weight itself goes on the gradient buckets before
+        their all-reduce (`gradient_weight`): on the outputs, a gradient that flows from one output
+        through another (a Hugging Face model's loss, through its logits) was weighted twice."""
         batch = self.batch
         if batch is None or not torch.is_grad_enabled():
             return
         for tensor in _tensors(output):
             if tensor.requires_grad:
-                tensor.register_hook(lambda grad, batch=batch: self._weighted(batch, grad))
+                tensor.register_hook(lambda grad, batch=batch: self._weighted(batch))
+
+    def gradient_weight(self) -> float:
+        """The weight of the held share's gradient (`MicroBatch.weight`): 1 where no share is held."""
+        return self.batch.weight if self.batch is not None else 1.0
 
     @staticmethod
-    def _weighted(batch: MicroBatch, grad: torch.Tensor) -> torch.Tensor:
+    def _weighted(batch: MicroBatch) -> None:
         if not batch.weighted:
             batch.weighted = True
             if batch.step is not None:
                 batch.step.weighted += 1
             if batch.on_sync is not None:
                 batch.on_sync()  # the hang probe: this rank's backward goes on to the all-reduce
-        return grad if batch.weight == 1 else grad * batch.weight
 
 
 def _tensors(output: Any) -> Iterator[torch.Tensor]:

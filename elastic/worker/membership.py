@@ -101,6 +101,9 @@ class Membership:
         # Ray Train's loop shape (`elastic.worker.loader_steps`): a failed gradient all-reduce is
         # told to this instead of raised into the loop's backward.
         self.backward_failed: Callable[[str], None] | None = None
+        # There too, the weight of this rank's share of the step (`LoaderSteps.gradient_weight`),
+        # applied to each gradient bucket before its all-reduce.
+        self.bucket_weight: Callable[[], float] | None = None
 
     @property
     def rank(self) -> int:
@@ -352,6 +355,8 @@ def _allreduce_hook(membership, bucket):
     `from __future__ import annotations` would make them.
     """
     techniques = membership._techniques
+    if membership.bucket_weight is not None and (weight := membership.bucket_weight()) != 1:
+        bucket.buffer().mul_(weight)
     future = techniques.all_reduce(bucket, membership._group.gradients.all_reduce)
     if membership.backward_failed is not None:
         return future.then(functools.partial(_kept_failure, membership.backward_failed, bucket.buffer()))
