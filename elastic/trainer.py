@@ -26,6 +26,7 @@ from elastic.checkpoint.checkpoint import Checkpoint, latest_complete
 from elastic.checkpoint.storage import RunStorage
 from elastic.config import (DataConfig, RunConfig, ScalingConfig, Strategy, check_devices_fit, check_fits,
                             check_replicas_fit, check_strategy_fits)
+from elastic.data.loader import check_resumed_order
 from elastic.errors import CapacityTimeoutError, ElasticError, TrainingFailedError
 from elastic.faults import Fault, check_faults
 from elastic.journal.display import ProgressDisplay
@@ -121,6 +122,7 @@ class ElasticTrainer:
         resumes = resume_from or latest_complete(storage, lambda step, reason: None)
         if resumes is not None:
             check_resume_fits(resumes, ReplicaShape.of(self.scaling_config))
+            check_resumed_order(resumes.cursor, self.data_config.seed, resumes.path)
         if not ray.is_initialized():
             ray.init(address=self.address)
         self._check_cluster_can_host_min_workers()

@@ -13,9 +13,11 @@ import time
 
 import pyarrow.fs as pafs
 import pytest
+import ray
 import safetensors.torch
 import torch
 
+from elastic import DataConfig, ElasticTrainer, RunConfig, ScalingConfig
 from elastic.checkpoint import checkpoint as checkpoint_module
 from elastic.checkpoint import tensor_file
 from elastic.checkpoint.checkpoint import (
@@ -35,6 +37,7 @@ from elastic.checkpoint.checkpoint import (
 from elastic.checkpoint.host_buffers import HostBuffers
 from elastic.checkpoint.storage import RunStorage
 from elastic.comm.state_sync import state_of
+from elastic.errors import ElasticError
 from held_store import HeldStore
 
 
@@ -384,3 +387,14 @@ def test_a_report_that_cannot_reach_the_controller_neither_stops_the_writer_nor_
         writer.submit(take_snapshot({"t": torch.ones(2)}, {"step": step, "cursor": {}}), 0, 1, 0.0, {}, {})
         writer.wait()  # returns though the first report raised
     assert reports[0] is None and reports[1]["step"] == 2 and "error" not in reports[1]
+
+
+def test_a_resume_inside_an_epoch_with_another_data_seed_is_refused_before_any_worker_starts(run):
+    _save(run, 10, world_size=1)  # 80 samples into epoch 1 of the order seed 0 shuffled
+    trainer = ElasticTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),
+                             run_config=RunConfig(name="run", storage_path=run.root.rsplit("/", 1)[0]),
+                             data_config=DataConfig(global_batch_size=8, max_steps=20, seed=5))
+    with pytest.raises(ElasticError, match=r"stopped 80 samples into epoch 1 of the order DataConfig\(seed=0\) "
+                                           r"shuffled, and this run asks seed=5.*Resume with DataConfig\(seed=0\)"):
+        trainer.fit()
+    assert not ray.is_initialized()

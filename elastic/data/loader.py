@@ -37,6 +37,18 @@ def open_loader(dataset: Any, config: DataConfig, pin_memory: bool = False) -> L
     return Loader(dataset, config, pin_memory)
 
 
+def check_resumed_order(cursor: dict[str, int], seed: int, checkpoint: str) -> None:
+    """A run resumed inside an epoch trains the rest of that epoch's order, which the seed it was
+    written with shuffled: another seed would train some of the epoch's samples twice and others
+    never. At an epoch's start a new seed only orders the epochs to come."""
+    if cursor.get("consumed", 0) > 0 and cursor.get("seed", seed) != seed:
+        raise ElasticError(
+            f"the checkpoint this run resumes from, {checkpoint}, stopped {cursor['consumed']} samples into epoch "
+            f"{cursor.get('epoch', 0)} of the order DataConfig(seed={cursor['seed']}) shuffled, and this run asks "
+            f"seed={seed}: the rest of the epoch would be another order, some samples trained twice and others "
+            f"never. Resume with DataConfig(seed={cursor['seed']}), or use a new run name")
+
+
 class Loader:
     """Reads the micro-batches of this rank's share of each step from a map-style dataset."""
 
