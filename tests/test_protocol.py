@@ -276,6 +276,20 @@ def test_a_heal_declined_from_inside_a_between_steps_block_forms_with_the_live_m
     assert group.protocol.failures == 0 and group.protocol.failed_formations == 0
 
 
+def test_a_restart_that_takes_in_a_newcomer_beside_the_members_says_so():
+    # The heal's formation loses part of the run's state: the restart takes the members, which may
+    # be inside a between-steps block, and the newcomer ready meanwhile.
+    group = FakeWorkerGroup(min_workers=1, max_workers=3)
+    group.start_run(0, 1, 2)
+    group.die(2)
+    assert not group.latest_offer.newcomers
+    group.ready(3)
+    group.send(FormedReport(0, group.latest_offer.formation.generation, ok=False, state_lost=True,
+                            error="a shard without a holder", checkpointed=True))
+    restart = group.latest_offer
+    assert restart.restart and restart.formation.members == (0, 1, 3) and restart.newcomers
+
+
 # --- state never silently goes back to step 0 ---------------------------------------------------
 def test_newcomers_alone_never_form_with_fresh_weights_they_restart_from_the_checkpoint():
     group = FakeWorkerGroup(min_workers=1, max_workers=2, max_failures=1)

@@ -86,8 +86,8 @@ class GenerationSpec:
     resume_from: Any = None
     # The node of every rank (each rank's node_rank); () where unknown: the flat all-reduce.
     nodes: tuple[int, ...] = ()
-    # Some member holds no live state, outside a restart (a spare, a replacement): it begins at the
-    # next step, so a member inside a between-steps block declines (`Membership.join`).
+    # Some member was not in the running generation (a spare, a replacement): it begins at the next
+    # step, so a member inside a between-steps block declines (`Membership.join`).
     newcomers: bool = False
 
     @property

@@ -441,7 +441,9 @@ class Protocol:
         return [self._offer(formation, restart), *self._enter(Forming(formation), decision.reason)]
 
     def _offer(self, formation: Formation, restart: bool = False) -> Offer:
-        newcomers = not restart and any(not self.workers[w].holds_state for w in formation.members)
+        # Members that were not in the running generation: a restart that loses part of the run's state
+        # still takes the members in it (some inside a between-steps block) beside newcomers.
+        newcomers = bool(self.members) and any(self._rank(w) is None for w in formation.members)
         # The derived deadline was measured on gloo only; NCCL's first collective also creates its
         # communicator under the group's timeout, which has not run under a fraction of a second.
         if self.scaling.backend != "gloo":

@@ -217,7 +217,7 @@ class Offer:
     formation: Formation
     restart: bool = False
     connect_timeout_s: float = CONNECT_CEILING_S
-    newcomers: bool = False  # some member holds no live state, outside a restart (a spare, a replacement)
+    newcomers: bool = False  # some member was not in the running generation (a spare, a replacement)
 
 
 @dataclass(frozen=True)
