@@ -550,6 +550,51 @@ def test_a_ray_train_loop_whose_model_returns_its_loss_with_the_logits_trains_th
         torch.testing.assert_close(result.value["params"][name], value, rtol=1e-9, atol=1e-12)
 
 
+def evaluated_each_epoch_loop(config: dict) -> dict:
+    """Ray Train's loop shape with an evaluation of its own collectives after each pass that trained."""
+    ctx = elastic.get_context()
+    model = elastic.prepare_model(build_mlp())
+    optimizer = elastic.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    loader = elastic.prepare_data_loader(torch.utils.data.DataLoader(regression_data(), batch_size=512))
+    evaluated = []
+    for _ in range(config["epochs"]):
+        trained = False
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            trained = True
+            hold_at_gate(config, ctx.step - 1)
+        while trained:
+            with ctx.between_steps() as block:
+                members = ctx.collectives.all_reduce(torch.ones(1)).item()
+            if block.failed is None:
+                evaluated.append((ctx.step, ctx.world_size, members))
+                break
+    return {"evaluated": evaluated}
+
+
+def test_a_grow_at_an_epochs_end_waits_for_the_evaluation_after_it(local_ray, tmp_path):
+    # One step an epoch (512 samples a step): every boundary ends an epoch. The grow's switch came
+    # at the boundary taken when the pass ended, before the loop's evaluation: the survivor
+    # evaluated in the grown generation, the newcomer began with the epoch's agreement, and gloo
+    # killed a process on the mismatch.
+    gate = str(tmp_path / "newcomer-started")
+    result = fit_held(ElasticTrainer(
+        evaluated_each_epoch_loop, train_loop_config={"epochs": 10, "gate": (1, gate)},
+        scaling_config=ScalingConfig(min_workers=1, max_workers=2, start_grace_s=0),
+        run_config=RunConfig(name="grow-at-epoch-end", storage_path=str(tmp_path)),
+        data_config=DataConfig(global_batch_size=512, max_steps=6), show_progress=False), workers_started(2))
+    formed = [(e["kind"], e["world_size"]) for e in result.events_of("generation_formed")]
+    assert formed == [("start", 1), ("grow", 2)], formed
+    assert not result.events_of("worker_failed") and result.step == 6
+    # Each evaluation ran among the members of its generation, every one of them in it.
+    evaluated = result.value["evaluated"]
+    assert [step for step, _, _ in evaluated] == [1, 2, 3, 4, 5, 6] and all(n == m for _, n, m in evaluated), evaluated
+    assert evaluated[-1][1] == 2
+
+
 def test_a_spare_that_joins_as_the_run_ends_writes_its_shard_of_the_final_checkpoint(local_ray, tmp_path):
     # Rank 1 dies once the last step (16) committed: the survivor learns it in the loops' agreement
     # to end, and heals with the warm spare, which joins at step 16 and is offered no step. Every

@@ -80,6 +80,7 @@ class LoaderSteps:
         self._held: Step | None = None  # entered and handed out: the loop is training it
         self._next: Step | None = None  # the first step of the next epoch, taken from `steps` already
         self._agreed_in: int | None = None  # the generation of the last agreement at an epoch's start
+        self._at_epoch_end = False  # a pass ended with its epoch's last step, the next one not yet taken
         self.batch: MicroBatch | None = None  # the share handed out for the held step
 
     def __len__(self) -> int:
@@ -93,8 +94,14 @@ class LoaderSteps:
             self._steps = self._open_steps()
         epoch = None
         while not self._ended:
-            self._end_held()
+            if self._end_held():
+                # The epoch is over. The boundary after its last step (a switch to a generation that
+                # takes in a newcomer, say) comes at the next pass's start, after the loop's own code
+                # between epochs (an evaluation in `ctx.between_steps()`), which the newcomer never runs.
+                self._at_epoch_end = True
+                return
             step, self._next = self._next or next(self._steps, None), None
+            self._at_epoch_end = False
             if step is None:
                 self._ended = True
                 return  # the run reached max_steps
@@ -116,8 +123,11 @@ class LoaderSteps:
     def close(self) -> None:
         """The train loop returned: end the step it held (it broke out of a pass), and at an epoch's
         start tell the other members that this loop goes no further."""
-        self._end_held()
+        at_epoch_end = self._end_held() or self._at_epoch_end
         step, self._next = self._next, None
+        if step is None and at_epoch_end and not self._ended:
+            step = next(self._steps, None)  # the boundary after the epoch, and the next epoch's first step
+            self._ended = step is None
         if step is not None and not self._ended:
             self._agreed(step, going_on=False)
         if self._steps is not None:
@@ -141,10 +151,11 @@ class LoaderSteps:
             break
         return step
 
-    def _end_held(self) -> None:
+    def _end_held(self) -> bool:
+        """End the step the loop held; True if it committed the last samples of its epoch."""
         step, self._held, self.batch = self._held, None, None
         if step is None:
-            return
+            return False
         if not self._optimizer_prepared():
             raise ElasticError(
                 "a step of the prepared data loader ended, and no optimizer stepped the prepared model's parameters "
@@ -152,9 +163,18 @@ class LoaderSteps:
                 "loss.backward(), and pass it through elastic.prepare_optimizer(optimizer) to sync its state")
         if step.failed is None:
             step.__exit__(None, None, None)
-            return
+            return step.committed and self._ends_epoch(step)
         failure = dist.DistError(step.failed)  # a peer's failure: the step rolls back, and `steps` heals
         step.__exit__(type(failure), failure, None)
+        return False
+
+    def _ends_epoch(self, step: Step) -> bool:
+        """Whether `step` takes its epoch's last samples; False for a stream, whose epoch ends where it
+        runs dry (the next step says so)."""
+        if not hasattr(self.dataset, "__len__"):
+            return False
+        after = step.cursor.advance(self.global_batch_size, len(self.dataset), self.drop_last)
+        return after.epoch != step.cursor.epoch
 
     def weigh(self, output: Any) -> None:
         """Count the held share as weighted (the optimizer's step checks it) once the backward from
