@@ -122,7 +122,7 @@ class ElasticTrainer:
         resumes = resume_from or latest_complete(storage, lambda step, reason: None)
         if resumes is not None:
             check_resume_fits(resumes, ReplicaShape.of(self.scaling_config))
-            check_resumed_order(resumes.cursor, self.data_config.seed, resumes.path)
+            check_resumed_order(resumes.cursor, self.data_config, resumes.path)
         if not ray.is_initialized():
             ray.init(address=self.address)
         self._check_cluster_can_host_min_workers()

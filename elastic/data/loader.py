@@ -29,19 +29,26 @@ from elastic.errors import ElasticError
 StepKey = tuple[int, int, int, int]  # epoch, consumed, world size, rank
 
 
+def is_stream(dataset: Any) -> bool:
+    """Iterable datasets are streamed (their epoch ends where they run dry, whatever a `__len__`
+    says); everything else is indexed."""
+    return isinstance(dataset, torch.utils.data.IterableDataset) or (
+        hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__"))
+
+
 def open_loader(dataset: Any, config: DataConfig, pin_memory: bool = False) -> Loader | StreamLoader:
-    """The loader for `dataset`: iterable datasets are streamed, everything else indexed."""
-    if isinstance(dataset, torch.utils.data.IterableDataset) or (
-            hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")):
+    """The loader for `dataset`: a stream's (`is_stream`), else an indexed one's."""
+    if is_stream(dataset):
         return StreamLoader(dataset, config)
     return Loader(dataset, config, pin_memory)
 
 
-def check_resumed_order(cursor: dict[str, int], seed: int, checkpoint: str) -> None:
-    """A run resumed inside an epoch trains the rest of that epoch's order, which the seed it was
-    written with shuffled: another seed would train some of the epoch's samples twice and others
-    never. At an epoch's start a new seed only orders the epochs to come."""
-    if cursor.get("consumed", 0) > 0 and cursor.get("seed", seed) != seed:
+def check_resumed_order(cursor: dict[str, int], config: DataConfig, checkpoint: str) -> None:
+    """A run resumed inside a shuffled epoch trains the rest of that epoch's order, which the seed it
+    was written with shuffled: another seed would train some of the epoch's samples twice and
+    others never. At an epoch's start a new seed only orders the epochs to come."""
+    seed = config.seed
+    if config.shuffle and cursor.get("consumed", 0) > 0 and cursor.get("seed", seed) != seed:
         raise ElasticError(
             f"the checkpoint this run resumes from, {checkpoint}, stopped {cursor['consumed']} samples into epoch "
             f"{cursor.get('epoch', 0)} of the order DataConfig(seed={cursor['seed']}) shuffled, and this run asks "

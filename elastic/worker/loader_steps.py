@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.config import DataConfig
+from elastic.data.loader import is_stream
 from elastic.errors import ElasticError
 from elastic.worker.step import MicroBatch, Step
 
@@ -170,8 +171,8 @@ class LoaderSteps:
 
     def _ends_epoch(self, step: Step) -> bool:
         """Whether `step` takes its epoch's last samples; False for a stream, whose epoch ends where it
-        runs dry (the next step says so)."""
-        if not hasattr(self.dataset, "__len__"):
+        runs dry (the next step says so), whatever its `__len__` says."""
+        if is_stream(self.dataset):
             return False
         after = step.cursor.advance(self.global_batch_size, len(self.dataset), self.drop_last)
         return after.epoch != step.cursor.epoch
