@@ -74,6 +74,9 @@ class LoaderSteps:
         self._loops_go_on = loops_go_on  # None: a peer died in the agreement, and this rank healed
         self._end = end
         self.dataset = dataset
+        # An epoch's samples, which tell whether a step ends its epoch; None for a stream, whose epoch
+        # ends where it runs dry (the next step says so), whatever its `__len__` says.
+        self._epoch_samples = None if is_stream(dataset) else len(dataset)
         self.batch_size = batch_size  # the loader's, as Ray Train users read it
         self.sampler = EpochOrder()
         self._steps: Iterator[Step] | None = None
@@ -170,11 +173,10 @@ class LoaderSteps:
         return False
 
     def _ends_epoch(self, step: Step) -> bool:
-        """Whether `step` takes its epoch's last samples; False for a stream, whose epoch ends where it
-        runs dry (the next step says so), whatever its `__len__` says."""
-        if is_stream(self.dataset):
+        """Whether `step` takes its epoch's last samples; False for a stream."""
+        if self._epoch_samples is None:
             return False
-        after = step.cursor.advance(self.global_batch_size, len(self.dataset), self.drop_last)
+        after = step.cursor.advance(self.global_batch_size, self._epoch_samples, self.drop_last)
         return after.epoch != step.cursor.epoch
 
     def weigh(self, output: Any) -> None:
