@@ -401,9 +401,13 @@ def ray_train_loop(config: dict) -> dict:
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
             loss = model(x, y)["loss"] if with_loss else torch.nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
+            if not config.get("step_every"):  # a loop that accumulates zeroes the gradients after its step
+                optimizer.zero_grad()
             loss.backward()
-            optimizer.step()
+            if (batches + 1) % config.get("step_every", 1) == 0 and batches not in config.get("skipped", ()):
+                optimizer.step()
+                if config.get("step_every"):
+                    optimizer.zero_grad()
             batches += 1
             world_sizes.add(ctx.get_world_size())
             hold_at_gate(config, ctx.step - 1)
@@ -535,6 +539,18 @@ def test_a_death_in_an_epochs_first_step_heals_with_a_spare_that_agrees_on_the_e
     reference = regression_reference(16, seed=0, global_batch=64)
     for name, value in reference["params"].items():
         torch.testing.assert_close(healed.value["params"][name], value, rtol=1e-9, atol=1e-12)
+
+
+def test_gradient_accumulation_across_a_prepared_loaders_batches_is_refused_and_a_skipped_batch_is_not(
+        local_ray, tmp_path):
+    # Each batch commits a step: a heal would drop the gradients waiting in .grad, and their batches.
+    with pytest.raises(TrainingFailedError, match="gradient accumulation across the loader's batches"):
+        _ray_train_shaped(tmp_path, "accumulated", max_steps=4, step_every=2,
+                          scaling_config=ScalingConfig(num_workers=1)).fit()
+    # A loop that skips a batch's optimizer step, its gradients zeroed before the next backward.
+    skipped = _ray_train_shaped(tmp_path, "skipped", max_steps=4, skipped=[1],
+                                scaling_config=ScalingConfig(num_workers=1)).fit()
+    assert skipped.step == 4 and skipped.value["batches"] == 4
 
 
 def test_a_ray_train_loop_whose_model_returns_its_loss_with_the_logits_trains_the_global_batch_mean(

@@ -413,7 +413,7 @@ def hold_at_gate(config: dict, step_index: int) -> None:
     a rank held in its loop cannot join a formation, so a gate that a survivor may reach before
     it heals (under local SGD, a death between syncs) holds it in the healed generation instead,
     where nobody waits for it."""
-    for gate_step, gate_file, *from_generation in [*config.get("gates", ()), config.get("gate", (-1, ""))]:
+    for gate_step, gate_file, *from_generation in [*config.get("gates", ()), *filter(None, [config.get("gate")])]:
         if step_index != gate_step or (from_generation and elastic.get_context().generation < from_generation[0]):
             continue
         while not os.path.exists(gate_file):

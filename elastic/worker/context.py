@@ -313,7 +313,7 @@ class TrainContext(ReplicaCoordinates):
     def _fit_to_loader_steps(self, model: torch.nn.Module) -> None:
         """In Ray Train's loop shape the prepared model weighs its outputs (`LoaderSteps.weigh`),
         and a peer's failure in its forward fails the step instead of the loop."""
-        model.register_forward_hook(lambda module, args, output: self.loader_steps.weigh(output))
+        model.register_forward_hook(lambda module, args, output: self.loader_steps.weigh(output, module))
         if isinstance(model, ElasticDDP):
             model.forward_failed = self._keep_failure_on_step
 

@@ -47,6 +47,11 @@ from elastic.errors import ElasticError
 from elastic.worker.step import MicroBatch, Step
 
 
+ACCUMULATION_FIX = ("give the DataLoader the accumulated batch size (batch_size=k*b, every batch one step), or "
+                    "iterate ctx.steps(dataset) with DataConfig(micro_batch_size=b), which accumulates k micro-batches "
+                    "in each step and redoes them all after a heal")
+
+
 class EpochOrder:
     """`loader.sampler` of a prepared loader: `set_epoch` is accepted and does nothing, because
     the run's cursor (seed, epoch) orders every epoch the same way on every rank already."""
@@ -85,6 +90,9 @@ class LoaderSteps:
         self._next: Step | None = None  # the first step of the next epoch, taken from `steps` already
         self._agreed_in: int | None = None  # the generation of the last agreement at an epoch's start
         self._at_epoch_end = False  # a pass ended with its epoch's last step, the next one not yet taken
+        # The last step backpropagated and ended without an optimizer step: its gradients may wait
+        # in `.grad` for the next batch's (gradient accumulation), which `_weighted` refuses.
+        self._unstepped_backward = False
         self.batch: MicroBatch | None = None  # the share handed out for the held step
 
     def __len__(self) -> int:
@@ -157,15 +165,17 @@ class LoaderSteps:
 
     def _end_held(self) -> bool:
         """End the step the loop held; True if it committed the last samples of its epoch."""
-        step, self._held, self.batch = self._held, None, None
+        step, batch, self._held, self.batch = self._held, self.batch, None, None
         if step is None:
             return False
         if not self._optimizer_prepared():
             raise ElasticError(
                 "a step of the prepared data loader ended, and no optimizer stepped the prepared model's parameters "
                 "in it: the optimizer's step commits each step. Step an optimizer over model.parameters() after "
-                "loss.backward(), and pass it through elastic.prepare_optimizer(optimizer) to sync its state")
+                "loss.backward() on every batch (gradient accumulation across batches is not supported: "
+                f"{ACCUMULATION_FIX}), and pass it through elastic.prepare_optimizer(optimizer) to sync its state")
         if step.failed is None:
+            self._unstepped_backward = batch is not None and batch.weighted and not step.committed
             step.__exit__(None, None, None)
             return step.committed and self._ends_epoch(step)
         failure = dist.DistError(step.failed)  # a peer's failure: the step rolls back, and `steps` heals
@@ -179,7 +189,7 @@ class LoaderSteps:
         after = step.cursor.advance(self.global_batch_size, self._epoch_samples, self.drop_last)
         return after.epoch != step.cursor.epoch
 
-    def weigh(self, output: Any) -> None:
+    def weigh(self, output: Any, model: torch.nn.Module) -> None:
         """Count the held share as weighted (the optimizer's step checks it) once the backward from
         the prepared model's `output` starts. The weight itself goes on the gradient buckets before
         their all-reduce (`gradient_weight`): on the outputs, a gradient that flows from one output
@@ -189,14 +199,26 @@ class LoaderSteps:
             return
         for tensor in _tensors(output):
             if tensor.requires_grad:
-                tensor.register_hook(lambda grad, batch=batch: self._weighted(batch))
+                tensor.register_hook(lambda grad, batch=batch: self._weighted(batch, model))
 
     def gradient_weight(self) -> float:
         """The weight of the held share's gradient (`MicroBatch.weight`): 1 where no share is held."""
         return self.batch.weight if self.batch is not None else 1.0
 
-    @staticmethod
-    def _weighted(batch: MicroBatch) -> None:
+    def _weighted(self, batch: MicroBatch, model: torch.nn.Module) -> None:
+        if self._unstepped_backward:
+            self._unstepped_backward = False
+            # The backward reaches the parameters only after the outputs: a gradient there now is
+            # the last step's, kept for this one. That step committed, and a heal drops `.grad`,
+            # which would lose its batch without a word. A batch skipped instead (its gradients
+            # zeroed before this backward) passes.
+            if any(p.grad is not None for p in model.parameters()):
+                raise ElasticError(
+                    f"step {batch.step.index - 1 if batch.step is not None else '?'} of the prepared data loader ended "
+                    "after its backward without an optimizer step, and its gradients were still in .grad when this "
+                    "batch's backward began: gradient accumulation across the loader's batches. Each batch of a "
+                    "prepared loader is a global step, committed at its end; a heal drops what waits in .grad, "
+                    f"which would lose those batches. Instead, {ACCUMULATION_FIX} (docs/habits.md)")
         if not batch.weighted:
             batch.weighted = True
             if batch.step is not None:
