@@ -97,7 +97,8 @@ class Controller:
         self.latest_checkpoint: Checkpoint | None = None
         # (generation, step) of the last restart offered: retention keeps its checkpoint until it formed.
         self.restoring: tuple[int, int] | None = None
-        self.shards = ShardCollector(self.storage, spec.run.checkpoint_config.keep_last)
+        self.shards = ShardCollector(self.storage, spec.run.checkpoint_config.keep_last, spec.attempt)
+        self.unsaved: dict[int, str] = {}  # checkpoints skipped, by step: why
         # Manifests and retention deletes, one at a time and in order, on a thread of their own:
         # a store that stalls holds only them, never the event loop nor the threads it shares.
         self.manifests = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-manifest")
@@ -114,14 +115,7 @@ class Controller:
                           scaling=self.spec.scaling.model_dump(),
                           data=self.spec.data.model_dump(), strategy=self.spec.strategy.model_dump(),
                           faults=[f.spec() for f in self.spec.faults])
-        latest = await asyncio.to_thread(
-            latest_complete, self.storage,
-            lambda step, reason: self.journal.emit("checkpoint_skipped", step=step, reason=reason),
-        )
-        # resume_from applies to the attempt's first controller; a restarted one takes the
-        # newest complete checkpoint this run wrote since, if any.
-        first = None if self.restarted else self.spec.resume_from
-        self.latest_checkpoint = first or latest or self.spec.resume_from
+        self.latest_checkpoint = await asyncio.to_thread(self._resumes_from)
         if self.latest_checkpoint is not None:
             self.journal.emit("run_resumed", step=self.latest_checkpoint.step, checkpoint=self.latest_checkpoint.path)
         self.loop_ref = ray.put(self.spec.train_loop)
@@ -142,6 +136,15 @@ class Controller:
             ticker.cancel()
             await self._stop_all()
         return self._result()
+
+    def _resumes_from(self) -> Checkpoint | None:
+        """A restarted controller takes the newest checkpoint its attempt completed; else the
+        attempt starts where its first controller did: resume_from, or the run's newest. Not the
+        newest on disk: past a `resume_from` of an older step, the newer ones are another history."""
+        def skipped(step: int, reason: str) -> None:
+            self.journal.emit("checkpoint_skipped", step=step, reason=reason)
+        own = latest_complete(self.storage, skipped, attempt=self.spec.attempt) if self.restarted else None
+        return own or self.spec.resume_from or latest_complete(self.storage, skipped)
 
     async def status(self) -> dict[str, Any]:
         events = self.journal.events
@@ -204,10 +207,14 @@ class Controller:
         self.inbox.put_nowait(signals.ShardWritten(report["rank"], report["step"]))
         if "error" in report or "skipped" in report:
             why = report.get("skipped") or f"could not write: {report['error']}"
-            self.journal.emit("checkpoint_skipped", step=report["step"], reason=f"rank {report['rank']}: {why}")
+            self._skipped(report["step"], f"rank {report['rank']}: {why}")
             return
         loop = asyncio.get_running_loop()
-        saved = await loop.run_in_executor(self.manifests, self.shards.add, report)
+        try:
+            saved = await loop.run_in_executor(self.manifests, self.shards.add, report)
+        except Exception as exc:  # the store failed the manifest's write: the checkpoint never completes
+            self._skipped(report["step"], f"its manifest could not be written: {type(exc).__name__}: {exc}")
+            return
         if saved is not None:
             self.latest_checkpoint, event = saved
             self.metrics.checkpoint_saved(event["stall_s"])
@@ -215,7 +222,27 @@ class Controller:
             # Only now that a restart offered from here on takes the new checkpoint do older ones
             # go; the one a restart in flight restores stays until that generation formed.
             restoring = self.restoring if self.restoring and self.protocol.running < self.restoring[0] else None
-            await loop.run_in_executor(self.manifests, self.shards.retain, [restoring[1]] if restoring else [])
+            await loop.run_in_executor(self.manifests, self.shards.retain, self.latest_checkpoint.step,
+                                       [restoring[1]] if restoring else [])
+
+    def _skipped(self, step: int, reason: str) -> None:
+        self.unsaved[step] = reason
+        self.journal.emit("checkpoint_skipped", step=step, reason=reason)
+
+    def _warn_of_unsaved_checkpoints(self) -> None:
+        """A run that finished with a checkpoint past its latest never completed (a shard or the
+        manifest failed to write, a member died uploading) says so: `Result.checkpoint` is older
+        than the training it returns, and a resume trains again from there."""
+        latest = self.latest_checkpoint.step if self.latest_checkpoint is not None else None
+        unsaved = {step: why for step, why in {**self.shards.incomplete(), **self.unsaved}.items()
+                   if latest is None or step > latest}
+        if unsaved:
+            step = max(unsaved)
+            self.journal.emit("warning", worker_id=None, kind="checkpoint_unsaved", message=(
+                f"the run finished at step {self.tally.step}, but its checkpoint of step {step} was not saved "
+                f"({unsaved[step]}); its latest checkpoint is "
+                f"{'none' if latest is None else f'step {latest}'}, where a resume of this run starts. Check that "
+                f"every worker can write to {self.storage.uri} (checkpoint_skipped in the journal has each reason)"))
 
     def _fenced(self, worker_id: int, refused: str, **fields: Any) -> bool:
         """Refuse what a worker the controller gave up on sends (`Protocol.fenced`): cut off by
@@ -431,6 +458,7 @@ class Controller:
 
     async def _stop_all(self) -> None:
         if self.protocol.finished:
+            self._warn_of_unsaved_checkpoints()
             self.journal.emit("run_finished", step=self.tally.step, goodput=self._goodput(),
                               wall_s=time.time() - self.started)
         else:

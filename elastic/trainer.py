@@ -161,7 +161,8 @@ class ElasticTrainer:
         if outcome["journal_error"]:
             warnings.warn(f"{outcome['journal_error']}; Result.events holds them", stacklevel=2)
         for warning in (e for e in events if e["type"] == "warning"):
-            warnings.warn(f"worker {warning['worker_id']}: {warning['message']}", stacklevel=2)
+            by = "" if warning["worker_id"] is None else f"worker {warning['worker_id']}: "
+            warnings.warn(by + warning["message"], stacklevel=2)
         if not outcome["finished"]:
             failure = outcome["failure"]
             if failure.get("kind") == "capacity":

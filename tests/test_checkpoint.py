@@ -291,6 +291,26 @@ def test_every_shard_is_a_safetensors_file_any_safetensors_reader_opens(run):
     assert torch.equal(torch.cat([shard["float32"] for shard in read])[: flat.numel()], flat)
 
 
+@pytest.mark.parametrize("manifest", ["[]", '{"format_version": 3}', '{"format_version": 3, "files": [{"name": "x"}]}'])
+def test_a_manifest_of_another_shape_is_refused_as_not_a_checkpoint_and_skipped_by_resume(run, manifest):
+    _save(run, 3)
+    _save(run, 5)
+    with open(run.path(f"{step_dir(5)}/manifest.json"), "w") as edited:
+        edited.write(manifest)
+    with pytest.raises(CheckpointError, match="is not a manifest elastic wrote"):
+        Checkpoint.from_path(run.path(step_dir(5)))
+    skipped = []
+    assert latest_complete(run, lambda step, reason: skipped.append(step)).step == 3 and skipped == [5]
+
+
+def test_a_file_lost_after_the_checkpoint_was_verified_fails_its_load_naming_it(run):
+    _save(run, 3)
+    checkpoint = Checkpoint.from_path(run.path(step_dir(3)))
+    os.remove(run.path(f"{step_dir(3)}/gen-0/{shard_name(1, 2)}"))
+    with pytest.raises(CheckpointError, match=f"lost its file gen-0/{shard_name(1, 2)}"):
+        checkpoint.load_state()
+
+
 def test_an_incompatible_format_version_names_the_mismatch(run):
     _save(run, 3)
     path = run.path(f"{step_dir(3)}/manifest.json")
@@ -301,12 +321,19 @@ def test_an_incompatible_format_version_names_the_mismatch(run):
 
 
 def test_retention_keeps_the_last_k_complete_and_never_the_only_complete_one():
-    assert steps_to_delete([8, 16, 24, 32], complete=[8, 16, 24, 32], keep_last=2) == [8, 16]
-    assert steps_to_delete([8, 16], complete=[8], keep_last=1) == []
-    assert steps_to_delete([8, 16, 24], complete=[16], keep_last=1) == [8]
-    assert steps_to_delete([8, 16], complete=[], keep_last=1) == []
+    assert steps_to_delete([8, 16, 24, 32], complete=[8, 16, 24, 32], keep_last=2, latest=32) == [8, 16]
+    assert steps_to_delete([8, 16], complete=[8], keep_last=1, latest=8) == []
+    assert steps_to_delete([8, 16, 24], complete=[16], keep_last=1, latest=16) == [8]
     # A restart in flight restores step 8: it stays while the restart forms, whatever keep_last says.
-    assert steps_to_delete([8, 16, 24], complete=[8, 16, 24], keep_last=1, pinned=[8]) == [16]
+    assert steps_to_delete([8, 16, 24], complete=[8, 16, 24], keep_last=1, latest=24, pinned=[8]) == [16]
+
+
+def test_retention_counts_from_the_runs_latest_and_leaves_newer_folders_alone():
+    # Step 52 is complete on disk but not this run's latest (damaged, a resume skipped it; or past
+    # an older resume_from). Counted as the newest, it deleted the run's latest (45) and the one
+    # before it, and a checkpoint still being written below it.
+    assert steps_to_delete([37, 45, 52], complete=[37, 45, 52], keep_last=1, latest=45) == [37]
+    assert steps_to_delete([37, 41, 45, 52], complete=[37, 41, 52], keep_last=2, latest=41) == []
 
 
 def test_a_storage_error_leaves_the_checkpoint_incomplete_and_is_reported(tmp_path):

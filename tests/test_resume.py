@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def trainer(storage_path, name, workers, max_steps=TOTAL_STEPS, faults=(), max_failures=0, sleep_s=0.0, hidden=32,
-            hold_for_checkpoint=None):
+            hold_for_checkpoint=None, resume_from=None):
     """A run of `regression_loop`; one with faults is held after step 0 until its `workers[1]`
     workers started (run it with `fit_started`): a start that formed without a slow one takes it
     in by step 3, so a fault on every rank finds it. `hold_for_checkpoint=(after, step)` holds
@@ -48,6 +48,7 @@ def trainer(storage_path, name, workers, max_steps=TOTAL_STEPS, faults=(), max_f
         data_config=DataConfig(global_batch_size=GLOBAL_BATCH, micro_batch_size=16, max_steps=max_steps, seed=DATA_SEED),
         faults=list(faults),
         show_progress=False,
+        resume_from=resume_from,
     )
 
 
@@ -149,3 +150,27 @@ def test_resuming_with_a_different_model_names_the_mismatch(local_ray, tmp_path)
     trainer(tmp_path, "changed-model", (1, 1), max_steps=8).fit()
     with pytest.raises(TrainingFailedError, match=r"(?s)does not fit the registered 'model'.*size mismatch"):
         trainer(tmp_path, "changed-model", (1, 1), hidden=64).fit()
+
+
+def test_a_restarted_controller_resumes_from_its_own_attempt_not_from_newer_checkpoints_of_another_history(
+        local_ray, reference, tmp_path):
+    trainer(tmp_path, "rolled-back", (1, 1), max_steps=24).fit()  # leaves steps 16 and 24
+    # Rolled back to step 16; the controller dies at step 20, before this attempt's first checkpoint.
+    rolled_back = fit_started(trainer(tmp_path, "rolled-back", (1, 1), faults=[Fault(kind="controller-kill", step=20)],
+                                      resume_from=str(tmp_path / "rolled-back" / step_dir(16))))
+    assert rolled_back.events_of("controller_restarted")
+    # The restarted controller took the newest folder on disk before: step 24, the abandoned history's.
+    assert [e["step"] for e in rolled_back.events_of("run_resumed")] == [16, 16]
+    assert_same_training(rolled_back, reference)
+
+
+def test_a_checkpoint_whose_manifest_cannot_be_written_is_skipped_and_the_finished_run_warns_naming_its_latest(
+        local_ray, tmp_path):
+    # A directory where step 16's manifest goes: the store refuses that write, as a full disk or an
+    # object store's error would. The failure went unjournaled, and the run ended as if saved.
+    (tmp_path / "unsaved" / step_dir(16) / "manifest.json").mkdir(parents=True)
+    with pytest.warns(UserWarning, match=r"finished at step 16, but its checkpoint of step 16 was not saved "
+                                         r"\(its manifest could not be written.*its latest checkpoint is step 8"):
+        result = trainer(tmp_path, "unsaved", (1, 1), max_steps=16).fit()
+    assert result.step == 16 and result.checkpoint.step == 8
+    assert [e["step"] for e in result.events_of("checkpoint_skipped") if "could not be written" in e["reason"]] == [16]

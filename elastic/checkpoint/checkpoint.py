@@ -215,7 +215,9 @@ def shard_chunks(snapshot: Snapshot, rank: int, world_size: int) -> dict[str, to
 
 
 def write_manifest(storage: RunStorage, snapshot_progress: dict[str, Any], world_size: int,
-                   files: list[dict[str, Any]], metadata: dict[str, Any]) -> dict[str, Any]:
+                   files: list[dict[str, Any]], metadata: dict[str, Any], attempt: str = "") -> dict[str, Any]:
+    """Complete the checkpoint of `snapshot_progress`'s step; `attempt`: the fit() that wrote it
+    (`latest_complete(attempt=)`)."""
     manifest = {
         "format_version": FORMAT_VERSION,
         "step": snapshot_progress["step"],
@@ -224,6 +226,7 @@ def write_manifest(storage: RunStorage, snapshot_progress: dict[str, Any], world
         "files": sorted(files, key=lambda f: f["name"]),
         "metadata": metadata,
         "created": time.time(),
+        "attempt": attempt,
     }
     folder = step_dir(manifest["step"])
     storage.write_text_atomic(f"{folder}/{MANIFEST}", json.dumps(manifest, indent=1))
@@ -348,7 +351,11 @@ class Checkpoint:
         return join_parts([self.load_state(part)["model"] for part in self.parts or [""]])
 
     def _read(self, entry: dict[str, Any]) -> bytes:
-        data = self.storage.read_bytes(file_path(entry))
+        try:
+            data = self.storage.read_bytes(file_path(entry))
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {self.path} lost its file {file_path(entry)} (its manifest lists it): "
+                                  "the folder was changed after the checkpoint completed") from None
         _check_size(entry, len(data))
         if not self.verified:
             _check_sha256(entry, data)
@@ -390,11 +397,18 @@ def verify(storage: RunStorage) -> Checkpoint:
         raise CheckpointError(f"{storage.uri} has no {MANIFEST}: the checkpoint was never completed") from None
     except (ValueError, OSError) as exc:
         raise CheckpointError(f"{storage.uri}/{MANIFEST} cannot be read: {exc}") from None
+    not_a_manifest = CheckpointError(f"{storage.uri}/{MANIFEST} is not a manifest elastic wrote (it lacks the list "
+                                     "of files with their name, size and sha256): the folder is not a checkpoint")
+    if not isinstance(manifest, dict):
+        raise not_a_manifest
     if manifest.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{storage.uri} has format_version {manifest.get('format_version')!r}, this elastic reads "
             f"{', '.join(map(str, READABLE_VERSIONS))}; load it with the elastic version that wrote it"
         )
+    if not (isinstance(manifest.get("files"), list)
+            and all(isinstance(e, dict) and {"name", "size", "sha256"} <= e.keys() for e in manifest["files"])):
+        raise not_a_manifest
     for entry in manifest["files"]:
         size = storage.size(file_path(entry))
         if size is None:
@@ -418,29 +432,44 @@ def checkpoint_storage(run: RunStorage, step: int) -> RunStorage:
     return RunStorage(run.root, step_dir(step), run.fs)
 
 
-def latest_complete(run: RunStorage, on_skip: Callable[[int, str], None]) -> Checkpoint | None:
-    """The newest checkpoint that verifies; each newer one that does not is reported to on_skip."""
+def latest_complete(run: RunStorage, on_skip: Callable[[int, str], None], attempt: str | None = None
+                    ) -> Checkpoint | None:
+    """The newest checkpoint that verifies; each newer one that does not is reported to on_skip.
+    With `attempt`, the newest that fit() attempt wrote (older manifests name none)."""
     for step in reversed(checkpoint_steps(run)):
+        folder = checkpoint_storage(run, step)
         try:
-            return verify(checkpoint_storage(run, step))
+            if attempt is not None and _written_by(folder) != attempt:
+                continue
+            return verify(folder)
         except CheckpointError as exc:
             on_skip(step, str(exc))
     return None
 
 
-def steps_to_delete(steps: list[int], complete: list[int], keep_last: int,
-                    pinned: Collection[int] = ()) -> list[int]:
-    """Old checkpoints to delete once the newest complete one exists.
+def _written_by(folder: RunStorage) -> str | None:
+    """The attempt its manifest names, read without checking its files; None where there is none."""
+    try:
+        manifest = json.loads(folder.read_text(MANIFEST))
+    except FileNotFoundError:
+        return None
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"{folder.uri}/{MANIFEST} cannot be read: {exc}") from None
+    return manifest.get("attempt") if isinstance(manifest, dict) else None
 
-    The `keep_last` newest complete ones stay, and any `pinned` (one a restart in flight
-    restores); incomplete folders older than the newest complete one can never complete and go
-    too. Nothing newer than it is touched: it may be a checkpoint still being written.
+
+def steps_to_delete(steps: list[int], complete: list[int], keep_last: int, latest: int,
+                    pinned: Collection[int] = ()) -> list[int]:
+    """Old checkpoints to delete once the controller took step `latest` for the run's latest.
+
+    The `keep_last` newest complete ones up to `latest` stay, and any `pinned` (one a restart in
+    flight restores); incomplete folders older than `latest` can never complete and go too.
+    Nothing newer than `latest` is touched: it may be a checkpoint still being written, or one
+    this run never took (a damaged one a resume skipped, the steps past an older `resume_from`),
+    whose manifest says nothing of this run's history.
     """
-    if not complete:
-        return []
-    kept = set(sorted(complete)[-keep_last:]) | set(pinned)
-    newest = max(complete)
-    return [s for s in steps if s < newest and s not in kept]
+    kept = set(sorted(s for s in complete if s <= latest)[-keep_last:]) | {latest} | set(pinned)
+    return [s for s in steps if s < latest and s not in kept]
 
 
 class CheckpointWriter:

@@ -81,6 +81,13 @@ class Snapshots:
         """Keep the directory `checkpoint` names for every checkpoint from now on (rank 0's)."""
         self._reported_files = reported.files_to_store(checkpoint, rank, self.config)
 
+    def _latest_reported(self) -> dict[str, bytes]:
+        """The directory the latest checkpoint carries, asked for at write time: the one that was
+        latest when the snapshot was taken may be gone since (retention, once a newer one, still
+        uploading then, completed)."""
+        latest = self._latest_checkpoint()
+        return latest.read_reported() if latest is not None else {}
+
     def after_step(self, max_steps: int | None) -> None:
         """At the boundary after a committed step: checkpoint where the schedule says, or start the timed check."""
         step, every = self._progress.step, self.config.every_steps
@@ -157,9 +164,8 @@ class Snapshots:
         rank = membership.rank
         if rank == 0 and self._reported_files is None:
             # A new rank 0 (after a heal or a restart) carries the directory the old one reported,
-            # read from the store by the writer's thread, once.
-            latest = self._latest_checkpoint()
-            self._reported_files = functools.cache(latest.read_reported) if latest is not None else {}
+            # read from the store by the writer's thread: once, but again after a read that failed.
+            self._reported_files = functools.cache(self._latest_reported)
         crash = self._faults.crash_checkpoint(rank, self._progress.step)
         # Never waits for the store: a snapshot taken while the last one uploads waits in the
         # writer, replacing any older one still waiting (`CheckpointWriter`).
