@@ -117,6 +117,7 @@ class Controller:
                           faults=[f.spec() for f in self.spec.faults])
         self.latest_checkpoint = await asyncio.to_thread(self._resumes_from)
         if self.latest_checkpoint is not None:
+            self.tally.resumed_at(self.latest_checkpoint.step)
             self.journal.emit("run_resumed", step=self.latest_checkpoint.step, checkpoint=self.latest_checkpoint.path)
         self.loop_ref = ray.put(self.spec.train_loop)
         await self._execute(self.protocol.start(time.time()))

@@ -174,3 +174,11 @@ def test_a_checkpoint_whose_manifest_cannot_be_written_is_skipped_and_the_finish
         result = trainer(tmp_path, "unsaved", (1, 1), max_steps=16).fit()
     assert result.step == 16 and result.checkpoint.step == 8
     assert [e["step"] for e in result.events_of("checkpoint_skipped") if "could not be written" in e["reason"]] == [16]
+
+
+def test_a_run_resumed_at_its_last_step_finishes_there_and_says_so(local_ray, tmp_path):
+    trainer(tmp_path, "resumed-at-end", (1, 1), max_steps=8).fit()
+    again = trainer(tmp_path, "resumed-at-end", (1, 1), max_steps=8).fit()
+    # It trains no step; it finished at step 8, not 0.
+    assert again.events_of("run_resumed")[-1]["step"] == 8 and not again.events_of("checkpoint_saved")
+    assert again.step == 8 and again.events_of("run_finished")[-1]["step"] == 8

@@ -122,6 +122,11 @@ class RunTally:
             times.clear()
         self.links.clear()
 
+    def resumed_at(self, step: int) -> None:
+        """The run resumed from a checkpoint of `step`: the steps before it are committed, even in
+        a run that resumed at its end and reports none."""
+        self.step = self.reported_step = step
+
     def note_step(self, step: int) -> None:
         """A step known to be committed from another source than a step report (which may
         arrive later, and must still be counted)."""
