@@ -27,7 +27,7 @@ from actors.metrics import RunMetrics
 from actors.worker import Worker
 from elastic.checkpoint.checkpoint import Checkpoint, latest_complete
 from elastic.checkpoint.shards import ShardCollector
-from elastic.checkpoint.storage import RunStorage
+from elastic.checkpoint.storage import OWNER, RunStorage
 from elastic.comm.group import GenerationSpec, abort_generation, forget_generation
 from elastic.config import DataConfig, RunConfig, ScalingConfig, Strategy
 from elastic.controller import policies, signals
@@ -115,6 +115,9 @@ class Controller:
                           scaling=self.spec.scaling.model_dump(),
                           data=self.spec.data.model_dump(), strategy=self.spec.strategy.model_dump(),
                           faults=[f.spec() for f in self.spec.faults])
+        # The run folder is this attempt's from now on: workers check they see it (`check_shared`),
+        # and the controller of another attempt still running writes no manifest into it.
+        await asyncio.to_thread(self.storage.write_text_atomic, OWNER, self.spec.attempt)
         self.latest_checkpoint = await asyncio.to_thread(self._resumes_from)
         if self.latest_checkpoint is not None:
             self.tally.resumed_at(self.latest_checkpoint.step)
@@ -394,7 +397,7 @@ class Controller:
             ).remote(
                 worker_id, me, self.spec.data, self.spec.run.checkpoint_config, self.storage, self.spec.faults,
                 self.spec.scaling.use_gpu, num_cpus, self.spec.strategy, ReplicaShape.of(self.spec.scaling),
-                worker_id % size, self.spec.scaling.max_workers, straggler_check=straggler_check,
+                worker_id % size, self.spec.scaling.max_workers, self.spec.attempt, straggler_check=straggler_check,
             )
         return created
 

@@ -67,6 +67,7 @@ class Worker:
         shape: ReplicaShape,
         slot: int,
         max_workers: int,
+        attempt: str = "",
         straggler_check: bool = False,
     ) -> None:
         torch.set_num_threads(max(1, int(num_cpus)))
@@ -82,7 +83,11 @@ class Worker:
             on_formed=lambda g, outcome: sender.track(controller.formed.remote(worker_id, g, outcome)),
         )
         # Both calls block their (background or dying) caller until the controller has the news.
-        writer = CheckpointWriter(storage, on_written=lambda report: ray.get(controller.shard_written.remote(worker_id, report)))
+        writer = CheckpointWriter(storage, on_written=lambda report: ray.get(controller.shard_written.remote(worker_id, report)),
+                                  attempt=attempt)
+        # Where it writes checkpoints, the run folder must be the controller's, seen from this node.
+        self._check_storage = (lambda: storage.check_shared(attempt, ray.get_runtime_context().get_node_id())
+                               ) if checkpoint_config.enabled else (lambda: None)
         self.ctx = TrainContext(
             data_config, self.mailbox, faults, self._reports.add, use_gpu, checkpoint_config, writer,
             on_fault=self._on_fault, strategy=strategy, shape=shape, slot=slot,
@@ -104,6 +109,7 @@ class Worker:
         _set_current(self.ctx)
         try:
             self.address = ray.util.get_node_ip_address()
+            self._check_storage()
             self.binds = bind_collectives_to(self.address)
             shared = separate_ranks_sharing_a_gpu(self.worker_id,
                                                   ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0))

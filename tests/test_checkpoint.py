@@ -34,7 +34,8 @@ from elastic.checkpoint.checkpoint import (
     write_manifest,
 )
 from elastic.checkpoint.host_buffers import HostBuffers
-from elastic.checkpoint.storage import RunStorage
+from elastic.checkpoint.shards import ShardCollector
+from elastic.checkpoint.storage import RunStorage, StorageError
 from elastic.comm.state_sync import state_of
 from elastic.errors import ElasticError
 from held_store import HeldStore
@@ -301,6 +302,26 @@ def test_a_manifest_of_another_shape_is_refused_as_not_a_checkpoint_and_skipped_
         Checkpoint.from_path(run.path(step_dir(5)))
     skipped = []
     assert latest_complete(run, lambda step, reason: skipped.append(step)).step == 3 and skipped == [5]
+
+
+def test_two_attempts_checkpointing_one_step_in_one_generation_write_apart_and_a_stale_one_writes_no_manifest(run):
+    # A run resumed by name restarts its generation numbers at 0: without the attempt in the path,
+    # its shards overwrote those of the folder's earlier manifests.
+    snapshot = take_snapshot({"t": torch.ones(4)}, {"step": 8, "cursor": {}})
+    reports = {}
+    for attempt in ("a" * 32, "b" * 32):
+        writer = CheckpointWriter(run, on_written=lambda report, attempt=attempt: reports.update({attempt: report}),
+                                  attempt=attempt)
+        writer.submit(snapshot, 0, 1, 0.0, {}, {})
+        writer.wait()
+    assert [f["path"] for f in reports["a" * 32]["files"]] == [f"gen-0-aaaaaaaa/{shard_name(0, 1)}"]
+    assert [f["path"] for f in reports["b" * 32]["files"]] == [f"gen-0-bbbbbbbb/{shard_name(0, 1)}"]
+    run.write_text_atomic(".owner", "b" * 32)  # attempt b's controller took the run folder
+    stale = ShardCollector(run, keep_last=2, attempt="a" * 32)
+    with pytest.raises(StorageError, match="another fit\\(\\) of the run took its folder"):
+        stale.add(reports["a" * 32])
+    checkpoint, _ = ShardCollector(run, keep_last=2, attempt="b" * 32).add(reports["b" * 32])
+    assert torch.equal(verify(checkpoint_storage(run, 8)).load_state()["t"], torch.ones(4))
 
 
 def test_a_file_lost_after_the_checkpoint_was_verified_fails_its_load_naming_it(run):

@@ -324,8 +324,9 @@ def test_a_worker_cut_off_while_it_writes_checkpoints_adds_nothing_a_resume_read
     assert complete, "no checkpoint was kept"
     for step in complete:
         checkpoint = verify(checkpoint_storage(run, step))
-        paths = {entry["path"].split("/")[0] for entry in checkpoint.manifest["files"]}
-        assert paths <= {f"gen-{g}" for g in later}, f"step {step} lists files of {paths}, not of a generation after the cut"
+        paths = {entry["path"].split("/")[0] for entry in checkpoint.manifest["files"]}  # gen-<G>-<attempt>
+        assert {int(path.split("-")[1]) for path in paths} <= later, (
+            f"step {step} lists files of {paths}, not of a generation after the cut")
     final = Checkpoint.from_path(run.path(step_dir(max(complete)))).load_state()["model"]
     assert all(torch.equal(final[k], v) for k, v in cut.outcome["params"].items()), "the last checkpoint is not the run's end"
 

@@ -102,3 +102,16 @@ def test_a_folder_below_the_run_cannot_climb_out_either(tmp_path):
     run = RunStorage(str(tmp_path / "runs"), "lm")
     with pytest.raises(StorageError, match=r"resolves to '.*/runs/elsewhere', outside storage_path"):
         RunStorage(run.root, "checkpoints/../../elsewhere")
+
+
+def test_a_worker_writes_checkpoints_only_into_the_folder_its_runs_controller_took(tmp_path):
+    folder = RunStorage(str(tmp_path), "run")
+    folder.check_writable()
+    # A local storage_path on another node: that node's own folder, which the controller never wrote to.
+    with pytest.raises(StorageError, match="storage_path is a local path each node has its own copy of"):
+        folder.check_shared("a" * 32, node="node-2")
+    folder.write_text_atomic(".owner", "b" * 32)
+    with pytest.raises(StorageError, match="another fit\\(\\) of the run took its folder .*attempt bbbbbbbb"):
+        folder.check_shared("a" * 32, node="node-2")
+    folder.write_text_atomic(".owner", "a" * 32)
+    folder.check_shared("a" * 32, node="node-2")

@@ -483,9 +483,10 @@ class CheckpointWriter:
     always of the newest state.
     """
 
-    def __init__(self, run: RunStorage, on_written: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, run: RunStorage, on_written: Callable[[dict[str, Any]], None], attempt: str = "") -> None:
         self.run = run
         self.on_written = on_written
+        self.attempt = attempt  # the fit() it writes for: in each file's path (`generation_path`)
         self._changed = threading.Condition()
         self._waiting: _Upload | None = None
         self._skipped: list[dict[str, Any]] = []  # reports of replaced snapshots, sent by the thread
@@ -563,7 +564,7 @@ class CheckpointWriter:
             name = f"{part.name}/{shard_name(index, count)}" if part else shard_name(rank, world_size)
 
             def write(name: str, pieces: list[Any], crash: tuple[int, Callable[[], None]] | None = None) -> None:
-                report["files"].append(write_file(folder, name, pieces, crash, generation_path(generation, name)))
+                report["files"].append(write_file(folder, name, pieces, crash, generation_path(generation, name, self.attempt)))
 
             write(name, shard, crash)
             if optimizer_shard is not None:
@@ -601,9 +602,11 @@ def file_path(entry: dict[str, Any]) -> str:
     return entry.get("path", entry["name"])
 
 
-def generation_path(generation: int, name: str) -> str:
-    """Where generation `generation` writes the file `name` of a checkpoint."""
-    return f"gen-{generation}/{name}"
+def generation_path(generation: int, name: str, attempt: str = "") -> str:
+    """Where generation `generation` of the fit() `attempt` writes the file `name` of a checkpoint:
+    another attempt's (one resumed by name after a restart, or a second run given the same name)
+    never overwrites a file a manifest lists."""
+    return f"gen-{generation}-{attempt[:8]}/{name}" if attempt else f"gen-{generation}/{name}"
 
 
 def write_file(folder: RunStorage, name: str, pieces: list[Any],

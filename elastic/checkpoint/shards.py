@@ -17,7 +17,7 @@ from elastic.checkpoint.checkpoint import (
     steps_to_delete,
     write_manifest,
 )
-from elastic.checkpoint.storage import RunStorage
+from elastic.checkpoint.storage import RunStorage, StorageError
 
 
 class ShardCollector:
@@ -44,6 +44,10 @@ class ShardCollector:
         files = [f for r in shards for f in r["files"]]
         metadata = next(r["metadata"] for r in shards if r["rank"] == 0)
         try:
+            owner = self.storage.owner()
+            if self.attempt and owner != self.attempt:
+                raise StorageError(f"another fit() of the run took its folder (attempt {str(owner)[:8]}, this one is "
+                                   f"{self.attempt[:8]}): give one of them another RunConfig(name=...)")
             manifest = write_manifest(self.storage, shards[0]["progress"], world_size, files, metadata,
                                       self.attempt)
         finally:

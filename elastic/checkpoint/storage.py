@@ -23,6 +23,11 @@ class StorageError(ElasticError):
     """The storage path cannot be used; the message says why and how to fix it."""
 
 
+# The attempt of the fit() that holds the run folder, written by its controller before any worker
+# starts: a worker that reads another (or none) writes nowhere (`check_shared`).
+OWNER = ".owner"
+
+
 class RunStorage:
     """Reads and writes files of one run folder through pyarrow.fs."""
 
@@ -58,6 +63,37 @@ class RunStorage:
                 f"cannot write to the run folder {self.uri!r}: {exc}. "
                 "Check that storage_path exists, is writable and that credentials are set."
             ) from exc
+
+    def owner(self) -> str | None:
+        """The attempt of the fit() that took the run folder last (`OWNER`), None if none did."""
+        try:
+            return self.read_bytes(OWNER).decode()
+        except FileNotFoundError:
+            return None
+
+    def check_shared(self, attempt: str, node: str) -> None:
+        """On a worker that writes checkpoints: the run folder here is the one the controller of
+        `attempt` took, and this node may write to it. A local storage_path on a cluster of several
+        nodes is each node's own folder, and a node without the store's credentials (a cloud worker
+        without an instance profile) fails every write: both would lose every checkpoint without a word."""
+        try:
+            owner = self.owner()
+        except Exception as exc:
+            raise StorageError(f"the worker on node {node} cannot read the run folder {self.uri!r}: {exc}. Give every "
+                               "node of the cluster the store's credentials (an instance profile or service "
+                               "account on worker nodes too)") from exc
+        if owner is None:
+            raise StorageError(
+                f"the run folder {self.uri!r}, seen from the worker on node {node}, is not the one the run's "
+                "controller wrote to: storage_path is a local path each node has its own copy of. On a cluster "
+                "of several nodes give RunConfig(storage_path=...) a store every node shares: s3://, gs://, "
+                "or a shared file system (NFS)")
+        if owner != attempt:
+            raise StorageError(
+                f"another fit() of the run took its folder {self.uri!r} (attempt {owner[:8]}, this one is "
+                f"{attempt[:8]}): two runs with one name would overwrite each other's checkpoints. Give one of "
+                "them another RunConfig(name=...)")
+        self.check_writable()
 
     def write_text_atomic(self, relative: str, text: str) -> None:
         target = self.path(relative)
