@@ -6,8 +6,16 @@
 
 The corpus (Python's standard-library source as byte windows in Parquet) and the model come
 from `elastic.demo`; the train loop and the trainer set-up are spelled out here. Rank 1 is
-killed at step 75: the survivors heal in place, and the run grows back to 3 workers once Ray
-has started a replacement (`--no-fault` trains without it).
+killed at step 75 on purpose: the survivors heal in place, and the run grows back to 3 workers
+once Ray has started a replacement (`--no-fault` trains without it).
+
+The run's events and checkpoints go to `{--storage-path}/{--name}/`, and running the same pair
+again resumes from its latest checkpoint. The default, `runs/` in the working directory, suits a
+local run only: under `ray job submit` it is inside Ray's unpacked copy of the code on the head
+(`.../runtime_resources/working_dir_files/_ray_pkg_<hash of the code>/runs`), which every job
+with the same code shares and Ray may delete, and each worker writes its checkpoint shards to
+that path on its own node's disk. On a cluster pass a lasting path that every node shares:
+s3://, gs://, or an NFS mount at the same path on every node.
 """
 
 import argparse
@@ -45,11 +53,27 @@ def train_loop(config):
             elastic.report({"loss": loss.item()})
 
 
+def summary(result: elastic.Result, name: str, steps: int) -> str:
+    """The job's last line: how the run went, and where its events are."""
+    resumed_at = next((e["step"] for e in result.events_of("run_resumed")), None)
+    events = f"events in {result.path}/events.jsonl"
+    if "loss" not in result.metrics:
+        # Every committed step reports a loss, so none was committed: the run resumed from a
+        # checkpoint that had already reached --steps.
+        return (f"nothing to train: run {name!r} resumed from its checkpoint of step {resumed_at}, which reached "
+                f"--steps {steps}; give a larger --steps to train further, or another --name or --storage-path "
+                f"to start afresh; {events}")
+    sizes = " -> ".join(str(e["world_size"]) for e in result.events_of("generation_formed"))
+    resumed = "" if resumed_at is None else f"resumed from step {resumed_at}, "
+    return (f"{resumed}{result.step} steps, world sizes {sizes}, goodput {result.goodput:.2f}, "
+            f"final loss {result.metrics['loss']:.3f}; {events}")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # Under `ray job submit` the working directory is a temporary copy on the head node: give a
-    # lasting path, or an s3:// or gs:// URI, to keep the run's events and checkpoints.
-    parser.add_argument("--storage-path", default=os.path.abspath("runs"))
+    parser.add_argument("--storage-path", default=os.path.abspath("runs"),
+                        help="where the run folder goes; on a cluster an s3://, gs:// or NFS path that "
+                             "every node shares (default: %(default)s)")
     parser.add_argument("--name", default="train_lm")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker, NCCL instead of gloo")
@@ -69,7 +93,4 @@ if __name__ == "__main__":
         data_config=DataConfig(global_batch_size=32, micro_batch_size=8, max_steps=args.steps),
         faults=[] if args.no_fault or FAULT.step >= args.steps else [FAULT],
     )
-    result = trainer.fit()
-    sizes = " -> ".join(str(e["world_size"]) for e in result.events_of("generation_formed"))
-    print(f"{result.step} steps, world sizes {sizes}, goodput {result.goodput:.2f}, "
-          f"final loss {result.metrics['loss']:.3f}; events in {result.path}/events.jsonl")
+    print(summary(trainer.fit(), args.name, args.steps))
