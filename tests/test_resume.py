@@ -146,21 +146,27 @@ def test_a_rank_killed_while_writing_leaves_no_complete_looking_checkpoint(local
     assert_same_training(result, reference)
 
 
-def test_resuming_with_a_different_model_names_the_mismatch(local_ray, tmp_path):
+def test_a_run_resumed_at_its_last_step_finishes_there_and_resuming_with_a_different_model_names_the_mismatch(
+        local_ray, tmp_path):
     trainer(tmp_path, "changed-model", (1, 1), max_steps=8).fit()
+    again = trainer(tmp_path, "changed-model", (1, 1), max_steps=8).fit()
+    # It trains no step; it finished at step 8 (Result.step and run_finished said 0).
+    assert again.events_of("run_resumed")[-1]["step"] == 8 and not again.events_of("checkpoint_saved")
+    assert again.step == 8 and again.events_of("run_finished")[-1]["step"] == 8
     with pytest.raises(TrainingFailedError, match=r"(?s)does not fit the registered 'model'.*size mismatch"):
         trainer(tmp_path, "changed-model", (1, 1), hidden=64).fit()
 
 
 def test_a_restarted_controller_resumes_from_its_own_attempt_not_from_newer_checkpoints_of_another_history(
         local_ray, reference, tmp_path):
-    trainer(tmp_path, "rolled-back", (1, 1), max_steps=24).fit()  # leaves steps 16 and 24
-    # Rolled back to step 16; the controller dies at step 20, before this attempt's first checkpoint.
-    rolled_back = fit_started(trainer(tmp_path, "rolled-back", (1, 1), faults=[Fault(kind="controller-kill", step=20)],
-                                      resume_from=str(tmp_path / "rolled-back" / step_dir(16))))
+    trainer(tmp_path, "rolled-back", (1, 1), max_steps=32).fit()  # leaves steps 24 and 32
+    # Rolled back to step 24; the controller dies at step 25, 0.7 s of steps before this attempt's
+    # first checkpoint (its workers die with it).
+    rolled_back = fit_started(trainer(tmp_path, "rolled-back", (1, 1), faults=[Fault(kind="controller-kill", step=25)],
+                                      resume_from=str(tmp_path / "rolled-back" / step_dir(24)), sleep_s=0.1))
     assert rolled_back.events_of("controller_restarted")
-    # The restarted controller took the newest folder on disk before: step 24, the abandoned history's.
-    assert [e["step"] for e in rolled_back.events_of("run_resumed")] == [16, 16]
+    # The restarted controller took the newest folder on disk before: step 32, the abandoned history's.
+    assert [e["step"] for e in rolled_back.events_of("run_resumed")] == [24, 24]
     assert_same_training(rolled_back, reference)
 
 
@@ -174,11 +180,3 @@ def test_a_checkpoint_whose_manifest_cannot_be_written_is_skipped_and_the_finish
         result = trainer(tmp_path, "unsaved", (1, 1), max_steps=16).fit()
     assert result.step == 16 and result.checkpoint.step == 8
     assert [e["step"] for e in result.events_of("checkpoint_skipped") if "could not be written" in e["reason"]] == [16]
-
-
-def test_a_run_resumed_at_its_last_step_finishes_there_and_says_so(local_ray, tmp_path):
-    trainer(tmp_path, "resumed-at-end", (1, 1), max_steps=8).fit()
-    again = trainer(tmp_path, "resumed-at-end", (1, 1), max_steps=8).fit()
-    # It trains no step; it finished at step 8, not 0.
-    assert again.events_of("run_resumed")[-1]["step"] == 8 and not again.events_of("checkpoint_saved")
-    assert again.step == 8 and again.events_of("run_finished")[-1]["step"] == 8
