@@ -92,7 +92,10 @@ def habits_loop(config: dict) -> dict:
                 elastic.report({"loss": loss.item()}, checkpoint=directory)
         else:
             elastic.report({"loss": loss.item()})
+    # A loop written per epoch calls ctx.steps() again past the run's steps: each call yields none.
+    steps_after_the_end = sum(len(list(ctx.steps(dataset))) for _ in range(config.get("calls_after_the_end", 0)))
     return {
+        "steps_after_the_end": steps_after_the_end,
         "loss_before_training": loss_before_training,
         "is_module": isinstance(model, torch.nn.Module),
         "resumed_from": resumed_from,
@@ -170,7 +173,8 @@ def habits(local_ray, tmp_path_factory):
     # takes it in by step 3, so rank 0's death at step 5 leaves a survivor to heal.
     first = fit_started(trainer(storage, "habits", ScalingConfig(min_workers=1, max_workers=2),
                                 die_before_evaluation=(0, 5), report_at=[4], gate=(0, str(storage / "started"))))
-    resumed = trainer(storage, "habits", ScalingConfig(num_workers=1), max_steps=12, report_at=[12]).fit()
+    resumed = trainer(storage, "habits", ScalingConfig(num_workers=1), max_steps=12, report_at=[12],
+                      calls_after_the_end=2).fit()
     return first, resumed, RunStorage(str(storage), "habits")
 
 
@@ -181,6 +185,16 @@ def test_a_reported_directory_is_carried_by_the_new_rank_0_and_comes_back_from_g
     assert [reported_step(verify(checkpoint_storage(run, step))) for step in (4, 6, 8)] == [4, 4, 4]
     assert resumed.value["resumed_from"] == 4
     assert resumed.checkpoint.step == 12 and reported_step(resumed.checkpoint) == 12
+
+
+def test_ctx_steps_called_again_past_the_runs_steps_yields_none_and_one_called_again_midway_is_refused(habits):
+    _, resumed, _ = habits
+    assert resumed.step == 12 and resumed.value["steps_after_the_end"] == 0  # it waited forever for a generation
+    ctx = TrainContext(DataConfig(global_batch_size=8, max_steps=4), GenerationMailbox(), [], lambda record: None,
+                       use_gpu=False)
+    ctx.entered_steps = True  # a first loop over ctx.steps() that left with `break`
+    with pytest.raises(ElasticError, match=r"ctx.steps\(dataset\) was called again while the run's steps go on"):
+        next(ctx.steps(regression_data()))
 
 
 def test_an_evaluation_whose_peer_dies_heals_inside_between_steps_and_runs_again(habits):

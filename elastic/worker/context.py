@@ -463,6 +463,15 @@ class TrainContext(ReplicaCoordinates):
 
     def steps(self, dataset: Any) -> Iterator[Step]:
         """Yield each remaining global step of the run, healing and rescaling in between."""
+        if self._steps_ended:
+            return  # a loop that calls ctx.steps() once per epoch: the run's steps are over
+        if self.entered_steps:
+            # Its join would wait for a generation that never comes: the other members are past it.
+            raise ElasticError(
+                "ctx.steps(dataset) was called again while the run's steps go on (the loop over the first call "
+                "left early): it is iterated once per run, through every epoch up to DataConfig(max_steps) "
+                "(`step.cursor.epoch` says which epoch a step is in). Iterate one call to its end; to stop "
+                "sooner, lower max_steps")
         max_steps = self.data_config.max_steps
         if self.loader_steps is None and None in (self.data_config.global_batch_size, max_steps):
             raise ElasticError(
