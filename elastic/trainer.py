@@ -22,7 +22,7 @@ from typing import Any, Callable
 import ray
 import torch
 
-from elastic.checkpoint.checkpoint import Checkpoint, latest_complete
+from elastic.checkpoint.checkpoint import Checkpoint, check_resume_keeps_history, latest_complete
 from elastic.checkpoint.storage import RunStorage
 from elastic.config import (DataConfig, RunConfig, ScalingConfig, Strategy, check_devices_fit, check_fits,
                             check_replicas_fit, check_strategy_fits)
@@ -118,6 +118,8 @@ class ElasticTrainer:
         resume_from = self.resume_from
         if isinstance(resume_from, str):
             resume_from = Checkpoint.from_path(resume_from, self.run_config.storage_filesystem)
+        if resume_from is not None:
+            check_resume_keeps_history(storage, resume_from)
         # The controller resumes from resume_from, else from the run's own latest checkpoint.
         resumes = resume_from or latest_complete(storage, lambda step, reason: None)
         if resumes is not None:

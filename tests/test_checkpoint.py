@@ -23,6 +23,7 @@ from elastic.checkpoint.checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointWriter,
+    check_resume_keeps_history,
     checkpoint_storage,
     latest_complete,
     shard_chunks,
@@ -434,6 +435,33 @@ def test_a_report_that_cannot_reach_the_controller_neither_stops_the_writer_nor_
         writer.submit(take_snapshot({"t": torch.ones(2)}, {"step": step, "cursor": {}}), 0, 1, 0.0, {}, {})
         writer.wait()  # returns though the first report raised
     assert reports[0] is None and reports[1]["step"] == 2 and "error" not in reports[1]
+
+
+def test_a_resume_from_that_would_overwrite_or_delete_the_run_folders_own_checkpoints_is_refused_before_anything_starts(
+        tmp_path):
+    def fit(name, resume_from):
+        ElasticTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),
+                       run_config=RunConfig(name=name, storage_path=str(tmp_path)),
+                       data_config=DataConfig(global_batch_size=8, max_steps=20, seed=0),
+                       resume_from=str(tmp_path / resume_from)).fit()
+
+    run, other = RunStorage(str(tmp_path), "run"), RunStorage(str(tmp_path), "other")
+    for step in (4, 8, 12):
+        _save(run, step, world_size=1)
+    _save(other, 6, world_size=1)
+    manifests = {step: open(run.path(f"{step_dir(step)}/manifest.json")).read() for step in (4, 8, 12)}
+    # Rolled back in place: its steps 8 and 12 would be written over by another history.
+    with pytest.raises(ElasticError, match=r"resume_from is step 4 of this run, whose folder .* holds later checkpoints "
+                                           r"\(steps 8, 12\).*new RunConfig\(name=...\)"):
+        fit("run", f"run/{step_dir(4)}")
+    # Another run's checkpoint into this folder: retention would delete 4, 8 and 12 as the run went on.
+    with pytest.raises(ElasticError, match=r"holds checkpoints of its own \(steps 4, 8, 12\), and resume_from names "
+                                           r"another run's"):
+        fit("run", f"other/{step_dir(6)}")
+    assert {step: open(run.path(f"{step_dir(step)}/manifest.json")).read() for step in (4, 8, 12)} == manifests
+    # Its own latest, and another run's checkpoint into a new folder, are taken.
+    check_resume_keeps_history(run, Checkpoint.from_path(run.path(step_dir(12))))
+    check_resume_keeps_history(RunStorage(str(tmp_path), "branch"), Checkpoint.from_path(run.path(step_dir(4))))
 
 
 def test_a_resume_inside_an_epoch_with_another_data_seed_is_refused_before_any_worker_starts(run):

@@ -5,6 +5,7 @@ checkpoint. Every run is checked against one process training each step's whole 
 within 1e-9 (float64).
 """
 
+import shutil
 import threading
 import time
 
@@ -18,7 +19,8 @@ from elastic.checkpoint.checkpoint import (
 )
 from elastic.checkpoint.storage import RunStorage
 from elastic.errors import TrainingFailedError
-from workloads import GLOBAL_BATCH, STEPS_PER_EPOCH, fit_started, regression_loop, regression_reference
+from workloads import (GLOBAL_BATCH, STEPS_PER_EPOCH, fit_held, fit_started, regression_loop, regression_reference,
+                       workers_started)
 
 TOTAL_STEPS = 6 * STEPS_PER_EPOCH
 PARAM_TOLERANCE = 1e-9
@@ -28,13 +30,13 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def trainer(storage_path, name, workers, max_steps=TOTAL_STEPS, faults=(), max_failures=0, sleep_s=0.0, hidden=32,
-            hold_for_checkpoint=None, resume_from=None):
+            hold_for_checkpoint=None, resume_from=None, gate_step=0):
     """A run of `regression_loop`; one with faults is held after step 0 until its `workers[1]`
     workers started (run it with `fit_started`): a start that formed without a slow one takes it
     in by step 3, so a fault on every rank finds it. `hold_for_checkpoint=(after, step)` holds
     the loop after step `after` until the checkpoint of `step` is complete."""
     low, high = workers
-    gate = {"gate": (0, f"{storage_path}/{name}-started")} if faults else {}
+    gate = {"gate": (gate_step, f"{storage_path}/{name}-started")} if faults else {}
     if hold_for_checkpoint is not None:
         gate["hold_for_checkpoint"] = (*hold_for_checkpoint, f"{storage_path}/{name}")
     return ElasticTrainer(
@@ -159,15 +161,25 @@ def test_a_run_resumed_at_its_last_step_finishes_there_and_resuming_with_a_diffe
 
 def test_a_restarted_controller_resumes_from_its_own_attempt_not_from_newer_checkpoints_of_another_history(
         local_ray, reference, tmp_path):
-    trainer(tmp_path, "rolled-back", (1, 1), max_steps=32).fit()  # leaves steps 24 and 32
-    # Rolled back to step 24; the controller dies at step 25, 0.7 s of steps before this attempt's
+    trainer(tmp_path, "abandoned", (1, 1), max_steps=32).fit()  # leaves steps 24 and 32
+
+    def abandoned_step_32_appears(events):
+        # Past fit()'s checks (which refuse a run folder holding another history), while the loop
+        # is held after step 24: the abandoned run's step 32 lands in this run's folder.
+        if workers_started(1)(events):
+            shutil.copytree(tmp_path / "abandoned" / step_dir(32), tmp_path / "branched" / step_dir(32))
+            return True
+        return False
+
+    # Branched from step 24; the controller dies at step 25, 0.7 s of steps before this attempt's
     # first checkpoint (its workers die with it).
-    rolled_back = fit_started(trainer(tmp_path, "rolled-back", (1, 1), faults=[Fault(kind="controller-kill", step=25)],
-                                      resume_from=str(tmp_path / "rolled-back" / step_dir(24)), sleep_s=0.1))
-    assert rolled_back.events_of("controller_restarted")
+    branched = fit_held(trainer(tmp_path, "branched", (1, 1), faults=[Fault(kind="controller-kill", step=25)],
+                                resume_from=str(tmp_path / "abandoned" / step_dir(24)), sleep_s=0.1, gate_step=24),
+                        abandoned_step_32_appears)
+    assert branched.events_of("controller_restarted")
     # The restarted controller took the newest folder on disk before: step 32, the abandoned history's.
-    assert [e["step"] for e in rolled_back.events_of("run_resumed")] == [24, 24]
-    assert_same_training(rolled_back, reference)
+    assert [e["step"] for e in branched.events_of("run_resumed")] == [24, 24]
+    assert_same_training(branched, reference)
 
 
 def test_a_checkpoint_whose_manifest_cannot_be_written_is_skipped_and_the_finished_run_warns_naming_its_latest(

@@ -447,6 +447,27 @@ def latest_complete(run: RunStorage, on_skip: Callable[[int, str], None], attemp
     return None
 
 
+def check_resume_keeps_history(run: RunStorage, resume_from: Checkpoint) -> None:
+    """Refuse a `resume_from` whose run would overwrite or delete complete checkpoints of the run
+    folder's own history: those past its step, where it is one of this run's (the run writes its
+    own steps over them), or every one, where it is another run's (retention deletes them)."""
+    complete = [s for s in checkpoint_steps(run) if run.size(f"{step_dir(s)}/{MANIFEST}") is not None]
+    ours = resume_from.storage.root == checkpoint_storage(run, resume_from.step).root
+    kept = [s for s in complete if s > resume_from.step] if ours else complete
+    if not kept:
+        return
+    if ours:
+        raise ElasticError(
+            f"resume_from is step {resume_from.step} of this run, whose folder {run.uri} holds later checkpoints "
+            f"(steps {', '.join(map(str, kept))}): the run would overwrite them with another history. To go on "
+            f"from step {resume_from.step}, give it a new RunConfig(name=...) (it branches into its own folder), "
+            "or delete the later checkpoints first; to go on from the latest, leave resume_from out")
+    raise ElasticError(
+        f"the run folder {run.uri} holds checkpoints of its own (steps {', '.join(map(str, kept))}), and "
+        f"resume_from names another run's ({resume_from.path}): as this run went on, retention would delete "
+        "them. Give this run a new RunConfig(name=...), or leave resume_from out to resume the run's own latest")
+
+
 def _written_by(folder: RunStorage) -> str | None:
     """The attempt its manifest names, read without checking its files; None where there is none."""
     try:
