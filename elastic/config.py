@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, PrivateAttr, fie
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    # No NaN or infinity: a timeout of inf fails deep in torch (a timedelta), a rate of NaN trains to NaN.
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True, allow_inf_nan=False)
 
 
 class ScalingConfig(_Frozen):
@@ -235,7 +236,8 @@ class FailureConfig(_Frozen):
         120.0, gt=0, description="How long to wait below min_workers for capacity before failing the run."
     )
     collective_timeout_s: float = Field(
-        300.0, gt=0, description="torch.distributed timeout of one collective, instead of its 30-minute default."
+        300.0, gt=0, le=7 * 24 * 3600,
+        description="torch.distributed timeout of one collective, instead of its 30-minute default; a week at most."
     )
     hang_factor: float = Field(
         20.0, gt=1, description="A run is stalled when no step commits for this many median step times."
@@ -613,11 +615,15 @@ def _parse(field: str, text: str, kinds: dict[str, type[_Spec]], usage: str) -> 
         key, _, value = item.partition("=")
         if key not in allowed:
             raise ValueError(f"{field} {text!r}: {kind} takes no option {key!r}; use {usage}")
+        if key in given:
+            raise ValueError(f"{field} {text!r} gives {key} twice: give it once")
         parser, kind_of = allowed[key]
         try:
             given[key] = parser(value)
         except ValueError:
             raise ValueError(f"{field} {text!r}: {key}={value!r} is not {kind_of}") from None
+        if isinstance(given[key], float) and not math.isfinite(given[key]):
+            raise ValueError(f"{field} {text!r}: {key}={value!r} is not a finite number")
     spec = kinds[kind](kind=kind, **given)
     spec.check(text)
     return spec

@@ -113,6 +113,7 @@ class ElasticTrainer:
         self.show_progress = show_progress
 
     def fit(self) -> Result:
+        self.run_config = located(self.run_config)
         storage = RunStorage(self.run_config.storage_path, self.run_config.name, self.run_config.storage_filesystem)
         storage.check_writable()
         resume_from = self.resume_from
@@ -191,6 +192,16 @@ class ElasticTrainer:
                     f"{per_worker}, but ScalingConfig(min_workers={self.scaling_config.min_workers}); lower "
                     "min_workers or resources_per_worker, or add nodes"
                 )
+
+
+def located(run_config: RunConfig) -> RunConfig:
+    """`run_config` with a local storage_path made absolute where the driver stands: the controller
+    and the workers resolve it in their own working directory (on another node, under `ray start`,
+    the folder it was started in), and would write the run somewhere the driver never looks."""
+    path = run_config.storage_path
+    if run_config.storage_filesystem is not None or "://" in path or os.path.isabs(path):
+        return run_config
+    return run_config.model_copy(update={"storage_path": os.path.abspath(os.path.expanduser(path))})
 
 
 def _check_faults_fire(faults: list[Fault], strategy: Strategy) -> None:

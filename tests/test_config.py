@@ -8,7 +8,8 @@ import pyarrow.fs as pafs
 import pytest
 from pydantic import ValidationError
 
-from elastic import CheckpointConfig, DataConfig, ElasticTrainer, Fault, RunConfig, ScalingConfig, Strategy, parse_fault
+from elastic import (CheckpointConfig, DataConfig, ElasticTrainer, FailureConfig, Fault, RunConfig, ScalingConfig, Strategy,
+                     parse_fault)
 from elastic.checkpoint.checkpoint import Checkpoint
 from elastic.checkpoint.storage import RunStorage, StorageError
 from elastic.config import check_devices_fit, check_fits, check_replicas_fit, parse_sync
@@ -482,3 +483,20 @@ def test_a_uri_storage_path_beside_a_storage_filesystem_is_rejected_with_the_pat
     with pytest.raises(ValidationError, match=r"with storage_filesystem it is a path inside that filesystem: "
                                               r"pass storage_path='bucket/runs'"):
         RunConfig(name="x", storage_path="s3://bucket/runs", storage_filesystem=s3)
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda: FailureConfig(collective_timeout_s=float("inf")), "collective_timeout_s\n  Input should be a finite number"),
+    (lambda: FailureConfig(collective_timeout_s=1e300), "collective_timeout_s\n  Input should be less than or equal to 604800"),
+    (lambda: CheckpointConfig(every_s=float("nan")), "every_s\n  Input should be a finite number"),
+    (lambda: ScalingConfig(num_workers=1, resources_per_worker={"CPU": float("nan")}), "CPU\n  Input should be a finite"),
+    (lambda: Strategy(sync="diloco:every=2,outer_lr=nan"), "outer_lr='nan' is not a finite number"),
+    (lambda: Strategy(sync="diloco:every=2,outer_lr=inf"), "outer_lr='inf' is not a finite number"),
+    (lambda: Strategy(sync="local_sgd:every=8,every=2"), "'local_sgd:every=8,every=2' gives every twice: give it once"),
+])
+def test_a_value_that_is_not_finite_too_large_or_given_twice_is_refused_where_the_config_is_made(make, problem):
+    # Accepted before: a timeout of inf failed generations after seconds as an OverflowError that
+    # blamed the network, an outer learning rate of NaN trained every parameter to NaN, and the
+    # last of two `every` options was taken without a word.
+    with pytest.raises(ValidationError, match=re.escape(problem)):
+        make()

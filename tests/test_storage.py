@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from elastic import DataConfig, ElasticTrainer, RunConfig, ScalingConfig
+from elastic.trainer import located
 from elastic.checkpoint.checkpoint import checkpoint_storage
 from elastic.checkpoint.storage import RunStorage, StorageError
 
@@ -115,3 +116,12 @@ def test_a_worker_writes_checkpoints_only_into_the_folder_its_runs_controller_to
         folder.check_shared("a" * 32, node="node-2")
     folder.write_text_atomic(".owner", "a" * 32)
     folder.check_shared("a" * 32, node="node-2")
+
+
+def test_a_relative_storage_path_is_made_the_drivers_before_the_controller_gets_it(tmp_path, monkeypatch):
+    # Resolved again in the controller's working directory (another node's, or the folder
+    # `ray start` ran in), it put the run where the driver's resume checks never looked.
+    monkeypatch.chdir(tmp_path)
+    assert located(RunConfig(name="r", storage_path="runs")).storage_path == str(tmp_path / "runs")
+    for kept in (RunConfig(name="r", storage_path="s3://bucket/runs"), RunConfig(name="r", storage_path=str(tmp_path))):
+        assert located(kept) is kept
