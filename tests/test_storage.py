@@ -6,6 +6,7 @@ even a config that skipped validation writes nothing outside storage_path.
 """
 
 import os
+import socket
 import uuid
 
 import pyarrow.fs as pafs
@@ -125,3 +126,17 @@ def test_a_relative_storage_path_is_made_the_drivers_before_the_controller_gets_
     assert located(RunConfig(name="r", storage_path="runs")).storage_path == str(tmp_path / "runs")
     for kept in (RunConfig(name="r", storage_path="s3://bucket/runs"), RunConfig(name="r", storage_path=str(tmp_path))):
         assert located(kept) is kept
+
+
+def test_a_store_that_takes_connections_and_never_answers_fails_the_write_check_naming_it():
+    # A stalled endpoint (a proxy that holds connections): fit() stood still in its first call.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    try:
+        fs = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{silent.getsockname()[1]}", scheme="http",
+                               access_key="testing", secret_key="testing", region="us-east-1")
+        with pytest.raises(StorageError, match=r"did not answer a write within 0.5 s: check its endpoint"):
+            RunStorage("bucket/runs", "r", fs).check_writable(within_s=0.5)
+    finally:
+        silent.close()

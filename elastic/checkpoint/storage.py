@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import threading
 import uuid
 from urllib.parse import unquote
 
@@ -22,6 +23,9 @@ from elastic.errors import ElasticError
 class StorageError(ElasticError):
     """The storage path cannot be used; the message says why and how to fix it."""
 
+
+# How long the write check waits for the store: S3 clients retry for minutes by default.
+ANSWER_WITHIN_S = 60.0
 
 # The attempt of the fit() that holds the run folder, written by its controller before any worker
 # starts: a worker that reads another (or none) writes nowhere (`check_shared`).
@@ -50,19 +54,35 @@ class RunStorage:
     def path(self, relative: str) -> str:
         return f"{self.root}/{relative}"
 
-    def check_writable(self) -> None:
-        """Create the run folder and write, read and delete a marker file in it."""
+    def check_writable(self, within_s: float = ANSWER_WITHIN_S) -> None:
+        """Create the run folder and write, read and delete a marker file in it, within `within_s`:
+        a store that takes connections and never answers (a stalled endpoint or proxy) would hold
+        the caller for as long as its client retries, without a word."""
         marker = self.path(f".write-check-{uuid.uuid4().hex}")
-        try:
-            self.fs.create_dir(self.root, recursive=True)
-            with self.fs.open_output_stream(marker) as out:
-                out.write(b"ok")
-            self.fs.delete_file(marker)
-        except Exception as exc:
+        outcome: list[BaseException | None] = []
+
+        def check() -> None:
+            try:
+                self.fs.create_dir(self.root, recursive=True)
+                with self.fs.open_output_stream(marker) as out:
+                    out.write(b"ok")
+                self.fs.delete_file(marker)
+                outcome.append(None)
+            except Exception as exc:
+                outcome.append(exc)
+
+        checking = threading.Thread(target=check, daemon=True, name="elastic-storage-check")
+        checking.start()
+        checking.join(within_s)
+        if not outcome:
+            raise StorageError(f"the store of the run folder {self.uri!r} did not answer a write within {within_s:g} s: "
+                               "check its endpoint and the network path to it (a proxy that holds connections, "
+                               "an endpoint_override that points elsewhere)")
+        if outcome[0] is not None:
             raise StorageError(
-                f"cannot write to the run folder {self.uri!r}: {exc}. "
+                f"cannot write to the run folder {self.uri!r}: {outcome[0]}. "
                 "Check that storage_path exists, is writable and that credentials are set."
-            ) from exc
+            ) from outcome[0]
 
     def owner(self) -> str | None:
         """The attempt of the fit() that took the run folder last (`OWNER`), None if none did."""
