@@ -124,6 +124,12 @@ class ElasticTrainer:
         # The controller resumes from resume_from, else from the run's own latest checkpoint.
         resumes = resume_from or latest_complete(storage, lambda step, reason: None)
         if resumes is not None:
+            max_steps = self.data_config.max_steps
+            if max_steps is not None and resumes.step > max_steps:
+                raise ElasticError(
+                    f"the run resumes from {resumes.path}, at step {resumes.step}, past DataConfig(max_steps={max_steps}): "
+                    f"there is nothing to train. Give max_steps above {resumes.step} to train further, or a new "
+                    "RunConfig(name=...) to start afresh")
             check_resume_fits(resumes, ReplicaShape.of(self.scaling_config))
             check_resumed_order(resumes.cursor, self.data_config, resumes.path)
         if not ray.is_initialized():

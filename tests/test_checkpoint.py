@@ -464,6 +464,15 @@ def test_a_resume_from_that_would_overwrite_or_delete_the_run_folders_own_checkp
     check_resume_keeps_history(RunStorage(str(tmp_path), "branch"), Checkpoint.from_path(run.path(step_dir(4))))
 
 
+def test_a_resume_past_max_steps_is_refused_before_any_worker_starts(run):
+    _save(run, 10, world_size=1)
+    trainer = ElasticTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),
+                             run_config=RunConfig(name="run", storage_path=run.root.rsplit("/", 1)[0]),
+                             data_config=DataConfig(global_batch_size=8, max_steps=4, seed=0))
+    with pytest.raises(ElasticError, match=r"at step 10, past DataConfig\(max_steps=4\): there is nothing to train"):
+        trainer.fit()  # before: actors started, and the run ended at step 10 of 4 without a word
+
+
 def test_a_resume_inside_an_epoch_with_another_data_seed_is_refused_before_any_worker_starts(run):
     _save(run, 10, world_size=1)  # 80 samples into epoch 1 of the order seed 0 shuffled
     trainer = ElasticTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import ray
+import torch
 
 from elastic.controller.tally import RunTally
 from elastic.worker.reports import (HOLD_S, REPORT_CALLS_PER_S, REPORT_INTERVAL_S, ReportQueue, ReportSender,
@@ -206,3 +207,17 @@ def test_the_runs_last_flush_returns_once_the_controller_ran_every_call_the_work
     queue.add(step_item(1, rank=0, world_size=1, at=0.1))
     sender.flush(rank=0, world_size=1, now=0.1, final=True)  # the train loop returned
     assert sorted(ray.get(controller.ingested.remote())) == [0, 1]
+
+
+def test_tensor_metrics_reach_the_controller_as_numbers(local_ray):
+    # The journal wrote `elastic.report({"loss": loss})` as the string "tensor(7.2294)", and a CUDA
+    # tensor would not unpickle on the controller, which has no GPU.
+    sent = []
+    queue = ReportQueue(every_rank=False)
+    sender = ReportSender(queue, lambda items: sent.append(items) or ray.put(None))
+    loss = (torch.ones(2, requires_grad=True) * 3.5).sum()
+    queue.add({"kind": "metrics", "step": 0, "rank": 0, "time": 0.0,
+               "metrics": {"loss": loss.detach(), "per_class": torch.tensor([1.0, 2.0]), "lr": 0.1}})
+    sender.flush(rank=0, world_size=1, now=0.0, final=True)
+    assert sent[0][0]["metrics"] == {"loss": 7.0, "per_class": [1.0, 2.0], "lr": 0.1}
+    assert type(sent[0][0]["metrics"]["loss"]) is float

@@ -452,6 +452,8 @@ class TrainContext(ReplicaCoordinates):
                        "to no step and were dropped. Report inside the `for step in ctx.steps(...)` loop, after "
                        "`with step:` (Result.metrics then holds the last step's).")
             return
+        # A tensor is made a number on the report thread (`plain_metrics`); detached, it holds no graph until then.
+        metrics = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
         self._report_sink(
             {"kind": "metrics", "step": self.step, "rank": self.rank, "time": time.time(), "metrics": metrics}
         )

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+import torch
 
 REPORT_INTERVAL_S = 0.2
 # The other ranks' calls a second, all together, when the straggler check needs each rank's compute.
@@ -99,6 +100,18 @@ def next_turn(rank: int, world_size: int, now: float) -> float:
     return at if at > now else at + every  # (now - turn) / every rounded down below a whole number
 
 
+def plain_metrics(item: dict[str, Any]) -> dict[str, Any]:
+    """A report with the user's tensor metrics (a loss reported without `.item()`) made numbers: here,
+    on the report thread, so the train thread never waits for the device for them. As tensors the
+    journal wrote them as strings ('tensor(7.23)'), and a CUDA one could not be unpickled by the
+    controller, which has no GPU."""
+    if item["kind"] != "metrics" or not any(isinstance(v, torch.Tensor) for v in item["metrics"].values()):
+        return item
+    metrics = {k: (v.item() if v.numel() == 1 else v.tolist()) if isinstance(v, torch.Tensor) else v
+               for k, v in item["metrics"].items()}
+    return {**item, "metrics": metrics}
+
+
 class ReportSender:
     """Sends what a worker's `ReportQueue` gives, from the report thread and as the run ends, and
     keeps the worker's other one-way calls (`track`: ready, broken, formed).
@@ -132,7 +145,7 @@ class ReportSender:
                 more = extra()
                 if more:
                     items.append(more)
-                self._in_flight.append(self._send(items))
+                self._in_flight.append(self._send([plain_metrics(item) for item in items]))
             if final:
                 ray.get(self._in_flight)
                 self._in_flight = []
