@@ -27,7 +27,7 @@ from actors.metrics import RunMetrics
 from actors.worker import Worker
 from elastic.checkpoint.checkpoint import Checkpoint, latest_complete
 from elastic.checkpoint.shards import ShardCollector
-from elastic.checkpoint.storage import OWNER, RunStorage
+from elastic.checkpoint.storage import RunStorage
 from elastic.comm.group import GenerationSpec, abort_generation, forget_generation
 from elastic.config import DataConfig, RunConfig, ScalingConfig, Strategy
 from elastic.controller import policies, signals
@@ -117,7 +117,8 @@ class Controller:
                           faults=[f.spec() for f in self.spec.faults])
         # The run folder is this attempt's from now on: workers check they see it (`check_shared`),
         # and the controller of another attempt still running writes no manifest into it.
-        await asyncio.to_thread(self.storage.write_text_atomic, OWNER, self.spec.attempt)
+        if self.spec.run.checkpoint_config.enabled:
+            await asyncio.to_thread(self.storage.take, self.spec.attempt)
         self.latest_checkpoint = await asyncio.to_thread(self._resumes_from)
         if self.latest_checkpoint is not None:
             self.tally.resumed_at(self.latest_checkpoint.step)

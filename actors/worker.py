@@ -109,7 +109,9 @@ class Worker:
         _set_current(self.ctx)
         try:
             self.address = ray.util.get_node_ip_address()
-            self._check_storage()
+            unusable = self._check_storage()
+            if unusable is not None:
+                ray.get(self._controller.warn.remote(self.worker_id, "storage_unusable", unusable))
             self.binds = bind_collectives_to(self.address)
             shared = separate_ranks_sharing_a_gpu(self.worker_id,
                                                   ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0))

@@ -13,8 +13,8 @@ The run's events and checkpoints go to `{--storage-path}/{--name}/`, and running
 again resumes from its latest checkpoint. The default, `runs/` in the working directory, suits a
 local run only: under `ray job submit` it is inside Ray's unpacked copy of the code on the head
 (`.../runtime_resources/working_dir_files/_ray_pkg_<hash of the code>/runs`), which every job
-with the same code shares and Ray may delete, and each worker writes its checkpoint shards to
-that path on its own node's disk. On a cluster pass a lasting path that every node shares:
+with the same code shares and Ray may delete; a worker on another node, where that path is its
+own disk, fails to start, saying so. On a cluster pass a lasting path that every node shares:
 s3://, gs://, or an NFS mount at the same path on every node.
 """
 

@@ -459,9 +459,14 @@ def test_a_resume_from_that_would_overwrite_or_delete_the_run_folders_own_checkp
                                            r"another run's"):
         fit("run", f"other/{step_dir(6)}")
     assert {step: open(run.path(f"{step_dir(step)}/manifest.json")).read() for step in (4, 8, 12)} == manifests
-    # Its own latest, and another run's checkpoint into a new folder, are taken.
-    check_resume_keeps_history(run, Checkpoint.from_path(run.path(step_dir(12))))
+    # Its own latest (by any path: a symlink), and another run's checkpoint into a new folder, are taken.
+    os.symlink(tmp_path, tmp_path / "link")
+    check_resume_keeps_history(run, Checkpoint.from_path(str(tmp_path / "link" / "run" / step_dir(12))))
     check_resume_keeps_history(RunStorage(str(tmp_path), "branch"), Checkpoint.from_path(run.path(step_dir(4))))
+    # A later checkpoint that is damaged holds nothing a resume could lose.
+    for shard in (tmp_path / "run" / step_dir(12)).rglob("*.safetensors"):
+        shard.write_bytes(b"torn")
+    check_resume_keeps_history(run, Checkpoint.from_path(run.path(step_dir(8))))
 
 
 def test_a_resume_past_max_steps_is_refused_before_any_worker_starts(run):

@@ -416,7 +416,7 @@ def ray_train_loop(config: dict) -> dict:
         for x, y in loader:
             loss = model(x, y)["loss"] if with_loss else torch.nn.functional.mse_loss(model(x), y)
             if not config.get("step_every"):  # a loop that accumulates zeroes the gradients after its step
-                optimizer.zero_grad()
+                optimizer.zero_grad(set_to_none=not config.get("zeroed_in_place"))
             loss.backward()
             if (batches + 1) % config.get("step_every", 1) == 0 and batches not in config.get("skipped", ()):
                 optimizer.step()
@@ -561,8 +561,8 @@ def test_gradient_accumulation_across_a_prepared_loaders_batches_is_refused_and_
     with pytest.raises(TrainingFailedError, match="gradient accumulation across the loader's batches"):
         _ray_train_shaped(tmp_path, "accumulated", max_steps=4, step_every=2,
                           scaling_config=ScalingConfig(num_workers=1)).fit()
-    # A loop that skips a batch's optimizer step, its gradients zeroed before the next backward.
-    skipped = _ray_train_shaped(tmp_path, "skipped", max_steps=4, skipped=[1],
+    # A loop that skips a batch's optimizer step, its gradients zeroed (in place) before the next backward.
+    skipped = _ray_train_shaped(tmp_path, "skipped", max_steps=4, skipped=[1], zeroed_in_place=True,
                                 scaling_config=ScalingConfig(num_workers=1)).fit()
     assert skipped.step == 4 and skipped.value["batches"] == 4
 

@@ -217,7 +217,8 @@ def test_tensor_metrics_reach_the_controller_as_numbers(local_ray):
     sender = ReportSender(queue, lambda items: sent.append(items) or ray.put(None))
     loss = (torch.ones(2, requires_grad=True) * 3.5).sum()
     queue.add({"kind": "metrics", "step": 0, "rank": 0, "time": 0.0,
-               "metrics": {"loss": loss.detach(), "per_class": torch.tensor([1.0, 2.0]), "lr": 0.1}})
+               "metrics": {"loss": loss.detach(), "per_class": torch.tensor([1.0, 2.0]), "lr": 0.1,
+                           "parts": {"mse": torch.tensor(0.5)}}})
     sender.flush(rank=0, world_size=1, now=0.0, final=True)
-    assert sent[0][0]["metrics"] == {"loss": 7.0, "per_class": [1.0, 2.0], "lr": 0.1}
+    assert sent[0][0]["metrics"] == {"loss": 7.0, "per_class": [1.0, 2.0], "lr": 0.1, "parts": {"mse": 0.5}}
     assert type(sent[0][0]["metrics"]["loss"]) is float

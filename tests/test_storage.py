@@ -116,7 +116,11 @@ def test_a_worker_writes_checkpoints_only_into_the_folder_its_runs_controller_to
     with pytest.raises(StorageError, match="another fit\\(\\) of the run took its folder .*attempt bbbbbbbb"):
         folder.check_shared("a" * 32, node="node-2")
     folder.write_text_atomic(".owner", "a" * 32)
-    folder.check_shared("a" * 32, node="node-2")
+    assert folder.check_shared("a" * 32, node="node-2") is None
+    # A store that fails this node's write (no credentials here, or a passing error) is told, not fatal.
+    (tmp_path / "a-file").write_text("")
+    failing = RunStorage(str(tmp_path / "a-file"), "run")
+    assert "cannot use the run folder" in failing.check_shared("a" * 32, node="node-2")
 
 
 def test_a_relative_storage_path_is_made_the_drivers_before_the_controller_gets_it(tmp_path, monkeypatch):

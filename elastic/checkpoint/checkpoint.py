@@ -451,9 +451,17 @@ def check_resume_keeps_history(run: RunStorage, resume_from: Checkpoint) -> None
     """Refuse a `resume_from` whose run would overwrite or delete complete checkpoints of the run
     folder's own history: those past its step, where it is one of this run's (the run writes its
     own steps over them), or every one, where it is another run's (retention deletes them)."""
-    complete = [s for s in checkpoint_steps(run) if run.size(f"{step_dir(s)}/{MANIFEST}") is not None]
-    ours = resume_from.storage.root == checkpoint_storage(run, resume_from.step).root
-    kept = [s for s in complete if s > resume_from.step] if ours else complete
+    def verifies(step: int) -> bool:
+        try:
+            verify(checkpoint_storage(run, step))
+        except CheckpointError:
+            return False  # damaged: a resume by name skips it, and nothing of it is lost
+        return True
+
+    # The same checkpoint, whatever path named it (a symlink, another spelling of the URI).
+    ours = _manifest_in(checkpoint_storage(run, resume_from.step)) == resume_from.manifest
+    steps = [s for s in checkpoint_steps(run) if s > resume_from.step or not ours]
+    kept = [s for s in steps if run.size(f"{step_dir(s)}/{MANIFEST}") is not None and verifies(s)]
     if not kept:
         return
     if ours:
@@ -466,6 +474,14 @@ def check_resume_keeps_history(run: RunStorage, resume_from: Checkpoint) -> None
         f"the run folder {run.uri} holds checkpoints of its own (steps {', '.join(map(str, kept))}), and "
         f"resume_from names another run's ({resume_from.path}): as this run went on, retention would delete "
         "them. Give this run a new RunConfig(name=...), or leave resume_from out to resume the run's own latest")
+
+
+def _manifest_in(folder: RunStorage) -> dict[str, Any] | None:
+    """The manifest in `folder`, as written; None where there is none that parses."""
+    try:
+        return json.loads(folder.read_text(MANIFEST))
+    except (FileNotFoundError, ValueError, OSError):
+        return None
 
 
 def _written_by(folder: RunStorage) -> str | None:

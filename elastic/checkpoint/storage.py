@@ -84,6 +84,17 @@ class RunStorage:
                 "Check that storage_path exists, is writable and that credentials are set."
             ) from outcome[0]
 
+    def take(self, attempt: str) -> None:
+        """Mark the run folder as `attempt`'s (`OWNER`): the controller, before any worker starts."""
+        try:
+            self.fs.create_dir(self.root, recursive=True)
+            self.write_text_atomic(OWNER, attempt)
+        except Exception as exc:
+            raise StorageError(
+                f"the run's controller cannot write to the run folder {self.uri!r} ({exc}). On a cluster, give "
+                "RunConfig(storage_path=...) a store every node shares (s3://, gs://, or NFS), and the head node "
+                "its credentials") from exc
+
     def owner(self) -> str | None:
         """The attempt of the fit() that took the run folder last (`OWNER`), None if none did."""
         try:
@@ -91,17 +102,20 @@ class RunStorage:
         except FileNotFoundError:
             return None
 
-    def check_shared(self, attempt: str, node: str) -> None:
+    def check_shared(self, attempt: str, node: str) -> str | None:
         """On a worker that writes checkpoints: the run folder here is the one the controller of
-        `attempt` took, and this node may write to it. A local storage_path on a cluster of several
-        nodes is each node's own folder, and a node without the store's credentials (a cloud worker
-        without an instance profile) fails every write: both would lose every checkpoint without a word."""
+        `attempt` took (else StorageError), and this node may write to it (else what went wrong, for
+        a warning: a store's passing error must not fail the run). A local storage_path on a cluster
+        of several nodes is each node's own folder, and a node without the store's credentials (a
+        cloud worker without an instance profile) fails every write: both lost every checkpoint
+        without a word."""
         try:
             owner = self.owner()
+            self.check_writable()
         except Exception as exc:
-            raise StorageError(f"the worker on node {node} cannot read the run folder {self.uri!r}: {exc}. Give every "
-                               "node of the cluster the store's credentials (an instance profile or service "
-                               "account on worker nodes too)") from exc
+            return (f"the worker on node {node} cannot use the run folder {self.uri!r} ({exc}): its checkpoint "
+                    "shards will fail to write while that lasts. Give every node of the cluster the store's "
+                    "credentials (an instance profile or service account on worker nodes too)")
         if owner is None:
             raise StorageError(
                 f"the run folder {self.uri!r}, seen from the worker on node {node}, is not the one the run's "
@@ -113,7 +127,7 @@ class RunStorage:
                 f"another fit() of the run took its folder {self.uri!r} (attempt {owner[:8]}, this one is "
                 f"{attempt[:8]}): two runs with one name would overwrite each other's checkpoints. Give one of "
                 "them another RunConfig(name=...)")
-        self.check_writable()
+        return None
 
     def write_text_atomic(self, relative: str, text: str) -> None:
         target = self.path(relative)

@@ -453,7 +453,7 @@ class TrainContext(ReplicaCoordinates):
                        "`with step:` (Result.metrics then holds the last step's).")
             return
         # A tensor is made a number on the report thread (`plain_metrics`); detached, it holds no graph until then.
-        metrics = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+        metrics = {k: v.detach() if type(v) is torch.Tensor else v for k, v in metrics.items()}
         self._report_sink(
             {"kind": "metrics", "step": self.step, "rank": self.rank, "time": time.time(), "metrics": metrics}
         )

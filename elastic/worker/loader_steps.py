@@ -211,8 +211,8 @@ class LoaderSteps:
             # The backward reaches the parameters only after the outputs: a gradient there now is
             # the last step's, kept for this one. That step committed, and a heal drops `.grad`,
             # which would lose its batch without a word. A batch skipped instead (its gradients
-            # zeroed before this backward) passes.
-            if any(p.grad is not None for p in model.parameters()):
+            # zeroed before this backward, or set to None) passes. (Read once, after such a step.)
+            if any(p.grad is not None and bool(p.grad.any()) for p in model.parameters()):
                 raise ElasticError(
                     f"step {batch.step.index - 1 if batch.step is not None else '?'} of the prepared data loader ended "
                     "after its backward without an optimizer step, and its gradients were still in .grad when this "

@@ -105,11 +105,21 @@ def plain_metrics(item: dict[str, Any]) -> dict[str, Any]:
     on the report thread, so the train thread never waits for the device for them. As tensors the
     journal wrote them as strings ('tensor(7.23)'), and a CUDA one could not be unpickled by the
     controller, which has no GPU."""
-    if item["kind"] != "metrics" or not any(isinstance(v, torch.Tensor) for v in item["metrics"].values()):
+    if item["kind"] != "metrics":
         return item
-    metrics = {k: (v.item() if v.numel() == 1 else v.tolist()) if isinstance(v, torch.Tensor) else v
-               for k, v in item["metrics"].items()}
-    return {**item, "metrics": metrics}
+    return {**item, "metrics": _plain(item["metrics"])}
+
+
+def _plain(value: Any) -> Any:
+    """`value` with its plain dense tensors made numbers (or lists), inside dicts, lists and tuples
+    too; another tensor kind (sparse, a DTensor, whose value may need a collective) is left as it is."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if type(value) is torch.Tensor and value.layout == torch.strided:
+        return value.item() if value.numel() == 1 else value.tolist()
+    return value
 
 
 class ReportSender:
