@@ -555,16 +555,19 @@ def test_a_death_in_an_epochs_first_step_heals_with_a_spare_that_agrees_on_the_e
         torch.testing.assert_close(healed.value["params"][name], value, rtol=1e-9, atol=1e-12)
 
 
-def test_gradient_accumulation_across_a_prepared_loaders_batches_is_refused_and_a_skipped_batch_is_not(
+def test_gradient_accumulation_across_a_prepared_loaders_batches_is_refused_and_a_skipped_batch_is_not_but_told(
         local_ray, tmp_path):
     # Each batch commits a step: a heal would drop the gradients waiting in .grad, and their batches.
     with pytest.raises(TrainingFailedError, match="gradient accumulation across the loader's batches"):
         _ray_train_shaped(tmp_path, "accumulated", max_steps=4, step_every=2,
                           scaling_config=ScalingConfig(num_workers=1)).fit()
     # A loop that skips a batch's optimizer step, its gradients zeroed (in place) before the next backward.
-    skipped = _ray_train_shaped(tmp_path, "skipped", max_steps=4, skipped=[1], zeroed_in_place=True,
-                                scaling_config=ScalingConfig(num_workers=1)).fit()
+    # Its step commits; the driver is told once that it took no optimizer step (it was silent).
+    with pytest.warns(UserWarning, match=r"step 1 ended on rank 0 without a call to the prepared optimizer's step\(\)"):
+        skipped = _ray_train_shaped(tmp_path, "skipped", max_steps=4, skipped=[1], zeroed_in_place=True,
+                                    scaling_config=ScalingConfig(num_workers=1)).fit()
     assert skipped.step == 4 and skipped.value["batches"] == 4
+    assert [e["kind"] for e in skipped.events_of("warning")] == ["step_without_optimizer"]
 
 
 def test_a_ray_train_loop_whose_model_returns_its_loss_with_the_logits_trains_the_global_batch_mean(

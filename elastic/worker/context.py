@@ -23,8 +23,10 @@ moves only then.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+import types
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -164,7 +166,7 @@ class TrainContext(ReplicaCoordinates):
         self.batching = MicroBatching(data_config, shape, self.device, self.faults, self.techniques, self.probe,
                                       prepared)
         self.stepping = Stepping(self._progress, self.batching, self.techniques, self._random, self.faults,
-                                 report_sink)
+                                 report_sink, self._warn)
         # What the worker's control thread calls.
         self.abort_stale_group = self.membership.abort_stale_group
         self.final_model: dict[str, torch.Tensor] | None = None  # rank 0's: the whole model once max_steps ran
@@ -365,10 +367,24 @@ class TrainContext(ReplicaCoordinates):
         optimizer.register_step_pre_hook(lambda *_: self.batching.check_weighted(self.stepping.current))
         self._prepared.prepare_optimizer(optimizer, self._state, lambda: self.stepping.current)
         self.techniques.hook_optimizer(optimizer, lambda: (self.step, self.world_size), self.membership.launch_average)
+        self._tell_calls(optimizer)
         optimizer.register_step_post_hook(lambda *_: self.stepping.commit())
         if self.loader_steps is not None:
             optimizer.register_step_pre_hook(self._nothing_to_step_if_failed)
         return optimizer
+
+    def _tell_calls(self, optimizer: torch.optim.Optimizer) -> None:
+        """Tell the stepping of each call to `optimizer.step()`, which a pre-hook would miss where
+        the call steps nothing (fp16's scaler skips the inner step on an overflow). A bound method,
+        as the optimizer's own: LR schedulers wrap `optimizer.step.__func__`."""
+        called = optimizer.step
+
+        @functools.wraps(called)
+        def step(bound: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            self.stepping.optimizer_called()
+            return called(*args, **kwargs)
+
+        optimizer.step = types.MethodType(step, optimizer)
 
     def autocast(self):
         """The run's autocast (`Strategy.precision`), for work outside the prepared model's forward."""

@@ -92,6 +92,7 @@ class Step:
         self.generation = spec.generation
         self.entered = False
         self.committed = False
+        self.optimizer_called = False  # the prepared optimizer's step() was called in it
         self.compute_s: float | None = None
         self.failed: str | None = None
         self.started = 0.0

@@ -32,13 +32,15 @@ class Stepping:
     """The step being run, and what commits or rolls it back: the `StepEnd` every `Step` calls."""
 
     def __init__(self, progress: Progress, batching: MicroBatching, techniques: Techniques, random: RandomState,
-                 faults: FaultInjector, report_sink: Callable[[dict[str, Any]], None]) -> None:
+                 faults: FaultInjector, report_sink: Callable[[dict[str, Any]], None],
+                 warn: Callable[[str, str], None] = lambda kind, message: None) -> None:
         self._progress = progress
         self._batching = batching
         self._techniques = techniques
         self._random = random
         self._faults = faults
         self._report_sink = report_sink
+        self._warn = warn  # once per kind: the journal and the driver
         self.current: Step | None = None  # the step the train loop holds
         self.inside_step = False  # between its __enter__ and __exit__
         self.optimizer: torch.optim.Optimizer | None = None
@@ -54,6 +56,12 @@ class Stepping:
         self._progress.step += 1
         self._progress.cursor = self._batching.loader.advance(self._progress.cursor)
 
+    def optimizer_called(self) -> None:
+        """The loop called the prepared optimizer's `step()` in the current step (whether or not it
+        stepped: fp16's scaler skips a step whose gradients overflowed)."""
+        if self.current is not None:
+            self.current.optimizer_called = True
+
     def end(self, step: Step, exc: BaseException | None) -> bool:
         """The `with step:` block ended; True to swallow `exc`, a peer's failure the next join heals."""
         if exc is None and not step.committed and step.failed is None and not self._techniques.lands_own_sums:
@@ -61,6 +69,12 @@ class Stepping:
             # here, so that every rank waits once a step (on NCCL the wait is a collective).
             exc = landing_failure()
         if exc is None:
+            if not step.committed and not step.optimizer_called:
+                self._warn("step_without_optimizer", (
+                    f"step {step.index} ended on rank {step.rank} without a call to the prepared optimizer's step(): "
+                    "it commits, its samples count as trained, and nothing of it was applied. A batch skipped on "
+                    "purpose is fine; a loop that never steps the optimizer, or steps one that was not prepared "
+                    "(elastic.prepare_optimizer), trains nothing that counts"))
             with phase("elastic.commit"):
                 self.commit()
                 if step.compute_s is not None:
