@@ -51,7 +51,7 @@ def _model_and_optimizer(seed=0):
     return model, optimizer
 
 
-def _save(run, step, world_size=2, files=None, metadata=None, generation=0, seed=None):
+def _save(run, step, world_size=2, files=None, metadata=None, generation=0, seed=None, attempt=""):
     model, optimizer = _model_and_optimizer(step if seed is None else seed)
     states = {"model": state_of(model), "optimizer": state_of(optimizer)}
     snapshot = take_snapshot(states, {"step": step, "cursor": {"epoch": 1, "consumed": 8 * step, "seed": 0}})
@@ -61,7 +61,8 @@ def _save(run, step, world_size=2, files=None, metadata=None, generation=0, seed
         writer.submit(snapshot, rank, world_size, 0.0, files or {}, metadata or {}, generation=generation)
         writer.wait()
     assert all("error" not in r for r in reports)
-    write_manifest(run, snapshot.progress, world_size, [f for r in reports for f in r["files"]], metadata or {})
+    write_manifest(run, snapshot.progress, world_size, [f for r in reports for f in r["files"]], metadata or {},
+                   attempt)
     return model, optimizer
 
 
@@ -323,6 +324,16 @@ def test_two_attempts_checkpointing_one_step_in_one_generation_write_apart_and_a
         stale.add(reports["a" * 32])
     checkpoint, _ = ShardCollector(run, keep_last=2, attempt="b" * 32).add(reports["b" * 32])
     assert torch.equal(verify(checkpoint_storage(run, 8)).load_state()["t"], torch.ones(4))
+
+
+def test_the_newest_checkpoint_of_an_attempt_is_found_past_newer_ones_of_another(run):
+    # What a controller that Ray restarts resumes from (`Controller._resumes_from`): its own
+    # attempt's newest, not step 16 of another history (tests/test_resume.py runs it through Ray).
+    _save(run, 8, world_size=1, attempt="a" * 32)
+    _save(run, 16, world_size=1, attempt="b" * 32)
+    assert latest_complete(run, lambda step, why: None, attempt="a" * 32).step == 8
+    assert latest_complete(run, lambda step, why: None).step == 16
+    assert latest_complete(run, lambda step, why: None, attempt="c" * 32) is None
 
 
 def test_a_file_lost_after_the_checkpoint_was_verified_fails_its_load_naming_it(run):

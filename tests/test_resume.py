@@ -159,6 +159,10 @@ def test_a_run_resumed_at_its_last_step_finishes_there_and_resuming_with_a_diffe
         trainer(tmp_path, "changed-model", (1, 1), hidden=64).fit()
 
 
+# The suite's time on 2 cores: in CI the choice it rests on, an attempt's newest checkpoint past
+# newer ones of another, is tested without Ray (tests/test_checkpoint.py), and chaos seeds kill
+# the controller (tests/test_chaos.py).
+@pytest.mark.soak
 def test_a_restarted_controller_resumes_from_its_own_attempt_not_from_newer_checkpoints_of_another_history(
         local_ray, tmp_path):
     trainer(tmp_path, "abandoned", (1, 1), max_steps=16).fit()  # leaves steps 8 and 16

@@ -377,11 +377,12 @@ class TrainContext(ReplicaCoordinates):
         """Tell the stepping of each call to `optimizer.step()`, which a pre-hook would miss where
         the call steps nothing (fp16's scaler skips the inner step on an overflow). A bound method,
         as the optimizer's own: LR schedulers wrap `optimizer.step.__func__`."""
-        called = optimizer.step
+        called, stepping = optimizer.step, self.stepping
 
         @functools.wraps(called)
         def step(bound: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            self.stepping.optimizer_called()
+            if stepping.current is not None:  # (whether or not it steps: fp16's scaler may skip it)
+                stepping.current.optimizer_called = True
             return called(*args, **kwargs)
 
         optimizer.step = types.MethodType(step, optimizer)

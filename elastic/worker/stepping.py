@@ -56,12 +56,6 @@ class Stepping:
         self._progress.step += 1
         self._progress.cursor = self._batching.loader.advance(self._progress.cursor)
 
-    def optimizer_called(self) -> None:
-        """The loop called the prepared optimizer's `step()` in the current step (whether or not it
-        stepped: fp16's scaler skips a step whose gradients overflowed)."""
-        if self.current is not None:
-            self.current.optimizer_called = True
-
     def end(self, step: Step, exc: BaseException | None) -> bool:
         """The `with step:` block ended; True to swallow `exc`, a peer's failure the next join heals."""
         if exc is None and not step.committed and step.failed is None and not self._techniques.lands_own_sums:
