@@ -389,14 +389,23 @@ def _check_sha256(entry: dict[str, Any], data: bytes) -> None:
         raise CheckpointError(f"file {entry['name']} has a wrong checksum (sha256 differs from the manifest)")
 
 
+def _read_manifest(folder: RunStorage) -> Any:
+    """The JSON in `folder`'s manifest, unchecked; FileNotFoundError where there is none, and a
+    CheckpointError where it cannot be read or parsed."""
+    try:
+        return json.loads(folder.read_text(MANIFEST))
+    except FileNotFoundError:
+        raise
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"{folder.uri}/{MANIFEST} cannot be read: {exc}") from None
+
+
 def verify(storage: RunStorage) -> Checkpoint:
     """The checkpoint in `storage`'s folder, after checking its manifest and every file's sha256."""
     try:
-        manifest = json.loads(storage.read_text(MANIFEST))
+        manifest = _read_manifest(storage)
     except FileNotFoundError:
         raise CheckpointError(f"{storage.uri} has no {MANIFEST}: the checkpoint was never completed") from None
-    except (ValueError, OSError) as exc:
-        raise CheckpointError(f"{storage.uri}/{MANIFEST} cannot be read: {exc}") from None
     not_a_manifest = CheckpointError(f"{storage.uri}/{MANIFEST} is not a manifest elastic wrote (it lacks the list "
                                      "of files with their name, size and sha256): the folder is not a checkpoint")
     if not isinstance(manifest, dict):
@@ -455,13 +464,15 @@ def check_resume_keeps_history(run: RunStorage, resume_from: Checkpoint) -> None
         try:
             verify(checkpoint_storage(run, step))
         except CheckpointError:
-            return False  # damaged: a resume by name skips it, and nothing of it is lost
+            return False  # incomplete or damaged: a resume by name skips it, and nothing of it is lost
         return True
 
     # The same checkpoint, whatever path named it (a symlink, another spelling of the URI).
-    ours = _manifest_in(checkpoint_storage(run, resume_from.step)) == resume_from.manifest
-    steps = [s for s in checkpoint_steps(run) if s > resume_from.step or not ours]
-    kept = [s for s in steps if run.size(f"{step_dir(s)}/{MANIFEST}") is not None and verifies(s)]
+    try:
+        ours = _read_manifest(checkpoint_storage(run, resume_from.step)) == resume_from.manifest
+    except (FileNotFoundError, CheckpointError):
+        ours = False
+    kept = [s for s in checkpoint_steps(run) if (s > resume_from.step or not ours) and verifies(s)]
     if not kept:
         return
     if ours:
@@ -476,22 +487,12 @@ def check_resume_keeps_history(run: RunStorage, resume_from: Checkpoint) -> None
         "them. Give this run a new RunConfig(name=...), or leave resume_from out to resume the run's own latest")
 
 
-def _manifest_in(folder: RunStorage) -> dict[str, Any] | None:
-    """The manifest in `folder`, as written; None where there is none that parses."""
-    try:
-        return json.loads(folder.read_text(MANIFEST))
-    except (FileNotFoundError, ValueError, OSError):
-        return None
-
-
 def _written_by(folder: RunStorage) -> str | None:
     """The attempt its manifest names, read without checking its files; None where there is none."""
     try:
-        manifest = json.loads(folder.read_text(MANIFEST))
+        manifest = _read_manifest(folder)
     except FileNotFoundError:
         return None
-    except (ValueError, OSError) as exc:
-        raise CheckpointError(f"{folder.uri}/{MANIFEST} cannot be read: {exc}") from None
     return manifest.get("attempt") if isinstance(manifest, dict) else None
 
 
